@@ -1,0 +1,77 @@
+"""The `phasewatch` command: a thin shell over the library (tests call the library directly)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from app.core.settings import SettingsError, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+
+    overrides = {
+        key: value
+        for key, value in {
+            "upstream_url": args.upstream, "host": args.host, "port": args.port,
+        }.items()
+        if value is not None
+    }
+    try:
+        settings = load_settings(**overrides)
+    except SettingsError as exc:
+        print(f"phasewatch: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        loop="uvloop",
+        http="httptools",
+        # The upstream's own Date and Server headers are relayed; do not add a second pair.
+        server_header=False,
+        date_header=False,
+        backlog=4096,
+        timeout_keep_alive=75,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phasewatch",
+        description="An OpenAI-compatible proxy that times prefill (TTFT) and decode (ITL).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve", help="run the proxy (settings from PHASEWATCH_* environment variables)"
+    )
+    serve.add_argument("--upstream", help="upstream base URL (PHASEWATCH_UPSTREAM_URL)")
+    serve.add_argument("--host", help="listen address (PHASEWATCH_HOST)")
+    serve.add_argument("--port", type=int, help="listen port (PHASEWATCH_PORT)")
+    serve.set_defaults(func=_serve)
+    try:
+        from app.sim.cli import add_parser as add_sim_parser
+    except ImportError:  # the simulator is optional at this layer
+        pass
+    else:
+        add_sim_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

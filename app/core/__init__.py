@@ -1,0 +1,1 @@
+"""Shared foundations: settings and metrics. Imports nothing from the other app packages."""

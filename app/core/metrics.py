@@ -1,0 +1,117 @@
+"""The proxy's Prometheus metrics, built on an injected registry.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `phasewatch_time_to_first_token_seconds`)
+so vLLM users find them where they expect. Label children are bound once per (model, endpoint)
+and reused, because `.labels()` costs more than the observation itself.
+
+Bucket lists: vLLM's own stop at 10 ms for ITL and have no 2 s edge for TTFT. Ours cover
+sub-millisecond to minutes, and always contain the configured SLO thresholds as exact edges,
+because a latency SLI is `bucket{le="T"} / count` and needs an edge at exactly T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# TTFT spans an idle prefill (milliseconds) to a deep queue (minutes).
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5,
+    2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+)
+# ITL and TPOT: a decode step on a fast GPU is a few ms; 20-30 tokens/s per user reads as
+# comfortable (33-50 ms); a stall from a long unchunked prefill can reach seconds.
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.06,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)
+E2E_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+    2400.0,
+)
+# Powers of two, from one token to a long-context prompt.
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 18))
+
+
+def with_edges(buckets: tuple[float, ...], *edges: float) -> tuple[float, ...]:
+    """`buckets` plus each of `edges` as an exact bucket boundary, sorted."""
+    return tuple(sorted(set(buckets) | set(edges)))
+
+
+@dataclass(slots=True, frozen=True)
+class BoundMetrics:
+    """Label children for one (model, endpoint), bound once."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    prompt_tokens: Histogram
+    output_tokens: Histogram
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry, slo_ttft_s: float, slo_itl_s: float) -> None:
+        labels = ("model", "endpoint")
+        self.ttft_buckets = with_edges(TTFT_BUCKETS, slo_ttft_s)
+        self.itl_buckets = with_edges(ITL_BUCKETS, slo_itl_s)
+        self.ttft = Histogram(
+            "phasewatch_time_to_first_token_seconds",
+            "Arrival at the proxy to the first output-carrying chunk, as the client sees it.",
+            labels, registry=registry, buckets=self.ttft_buckets,
+        )
+        self.itl = Histogram(
+            "phasewatch_inter_token_latency_seconds",
+            "Gap between output tokens as relayed; one observation per token.",
+            labels, registry=registry, buckets=self.itl_buckets,
+        )
+        self.tpot = Histogram(
+            "phasewatch_request_time_per_output_token_seconds",
+            "(E2E - TTFT) / (output tokens - 1), one observation per request.",
+            labels, registry=registry, buckets=self.itl_buckets,
+        )
+        self.e2e = Histogram(
+            "phasewatch_e2e_request_latency_seconds",
+            "Arrival at the proxy to the end of the response.",
+            (*labels, "outcome"), registry=registry, buckets=E2E_BUCKETS,
+        )
+        self.prompt_tokens = Histogram(
+            "phasewatch_request_prompt_tokens",
+            "Prompt tokens per request, from the upstream's usage.",
+            labels, registry=registry, buckets=TOKEN_BUCKETS,
+        )
+        self.output_tokens = Histogram(
+            "phasewatch_request_generation_tokens",
+            "Output tokens per request, from the upstream's usage.",
+            labels, registry=registry, buckets=TOKEN_BUCKETS,
+        )
+        self.requests = Counter(
+            "phasewatch_requests",
+            "Finished requests by how they ended.",
+            (*labels, "outcome"), registry=registry,
+        )
+        self.in_flight = Gauge(
+            "phasewatch_requests_in_flight",
+            "Inference requests received and not yet finished.",
+            registry=registry,
+        )
+        self.records_dropped = Counter(
+            "phasewatch_records_dropped",
+            "Request records dropped because the record queue was full.",
+            registry=registry,
+        )
+        self._bound: dict[tuple[str, str], BoundMetrics] = {}
+
+    def bind(self, model: str, endpoint: str) -> BoundMetrics:
+        key = (model, endpoint)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = BoundMetrics(
+                ttft=self.ttft.labels(model, endpoint),
+                itl=self.itl.labels(model, endpoint),
+                tpot=self.tpot.labels(model, endpoint),
+                prompt_tokens=self.prompt_tokens.labels(model, endpoint),
+                output_tokens=self.output_tokens.labels(model, endpoint),
+            )
+            self._bound[key] = bound
+        return bound

@@ -1,0 +1,75 @@
+"""Settings for the proxy, read from `PHASEWATCH_*` environment variables.
+
+One `Settings` object is built at startup and passed explicitly; nothing reads the
+environment anywhere else. A bad value fails at startup with a sentence naming the variable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "PHASEWATCH_"
+
+
+class SettingsError(ValueError):
+    """Raised when the configuration is invalid; its message is meant for a human."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    # Where the OpenAI-compatible engine (vLLM) listens.
+    upstream_url: AnyHttpUrl = Field(default=AnyHttpUrl("http://127.0.0.1:8000"))
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+
+    # Upstream connection policy. A stream may sit silent for a long queue wait or a long
+    # prefill, so the only read timeout is the gap allowed between two reads, and it is long.
+    upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
+    upstream_idle_timeout_s: float = Field(default=600.0, gt=0)
+    # Open connections to the upstream at once; 0 means no limit.
+    upstream_max_connections: int = Field(default=0, ge=0)
+    # Ask the upstream for per-chunk usage (`continuous_usage_stats`, a vLLM extension) so
+    # each chunk's token count is exact. Turn off for upstreams that reject the field.
+    upstream_continuous_usage: bool = True
+
+    # The SLO thresholds; they become exact bucket edges of the TTFT and ITL histograms.
+    slo_ttft_s: float = Field(default=0.5, gt=0)
+    slo_itl_s: float = Field(default=0.04, gt=0)
+
+    # Distinct model names that get their own metric label; later ones share "other".
+    max_model_labels: int = Field(default=32, ge=1)
+    # Finished-request records waiting to be stored; past this, records are dropped and counted.
+    record_queue_size: int = Field(default=10_000, ge=1)
+
+    log_level: str = "info"
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        levels = {"critical", "error", "warning", "info", "debug"}
+        if value.lower() not in levels:
+            raise ValueError(f"must be one of {', '.join(sorted(levels))}")
+        return value.lower()
+
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL without a trailing slash, ready for path joining."""
+        return str(self.upstream_url).rstrip("/")
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build Settings from the environment (and overrides), or raise SettingsError saying why."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else "?"
+            problems.append(
+                f"{ENV_PREFIX}{field.upper()}={error.get('input')!r} is invalid: {error['msg']}"
+            )
+        raise SettingsError("; ".join(problems)) from None

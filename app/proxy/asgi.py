@@ -1,0 +1,94 @@
+"""Small ASGI helpers shared by the relay and the pass-through: headers, bodies, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+import orjson
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Headers that describe one hop, not the message: never forwarded in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+        b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+    }
+)
+REQUEST_ID = b"x-request-id"
+RUN_ID = b"x-phasewatch-run-id"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the proxy finished with the request."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def upstream_request_headers(scope: Scope, request_id: str) -> list[tuple[str, str]]:
+    headers = [
+        (key.decode("latin-1"), value.decode("latin-1"))
+        for key, value in scope["headers"]
+        if key not in HOP_BY_HOP and key != REQUEST_ID
+    ]
+    headers.append(("x-request-id", request_id))
+    return headers
+
+
+def client_response_headers(
+    raw: Iterable[tuple[bytes, bytes]], request_id: str, content_length: int | None
+) -> list[tuple[bytes, bytes]]:
+    headers = [
+        (key.lower(), value) for key, value in raw if key.lower() not in HOP_BY_HOP
+    ]
+    if not any(key == REQUEST_ID for key, _ in headers):
+        headers.append((REQUEST_ID, request_id.encode("latin-1")))
+    if content_length is not None:
+        headers.append((b"content-length", str(content_length).encode()))
+    return headers
+
+
+async def read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def error_body(message: str, error_type: str, code: int) -> bytes:
+    """An error in the OpenAI format, as vLLM and OpenAI send it."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    )
+
+
+async def send_full(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(
+    send: Send, status: int, message: str, error_type: str, request_id: str
+) -> None:
+    body = error_body(message, error_type, status)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (REQUEST_ID, request_id.encode("latin-1")),
+    ]
+    await send_full(send, status, headers, body)

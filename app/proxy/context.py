@@ -1,0 +1,23 @@
+"""What the relay needs at hand, built once per app in the lifespan and kept on `app.state`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+
+from app.core.metrics import ProxyMetrics
+from app.core.settings import Settings
+from app.proxy.labels import ModelLabels
+from app.proxy.records import RecordQueue
+
+
+@dataclass(slots=True)
+class ProxyContext:
+    settings: Settings
+    session: aiohttp.ClientSession
+    metrics: ProxyMetrics
+    labels: ModelLabels
+    records: RecordQueue
+    upstream: str  # base URL, no trailing slash
+    in_flight: int = 0

@@ -1,0 +1,59 @@
+"""Finishing a request: figures from its timing into metrics and its record onto the queue.
+
+Runs in the relay's `finally`, after the last byte went to the client. It must never raise:
+a fault in metrics or records is logged and swallowed, never turned into a client error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from app.proxy.context import ProxyContext
+from app.proxy.records import Outcome, RequestRecord
+from app.proxy.timing import StreamTiming, figures, summarize
+
+log = logging.getLogger(__name__)
+
+
+def finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> None:
+    try:
+        _finish(ctx, record, timing)
+    except Exception:
+        log.exception("could not finish the record of request %s", record.request_id)
+
+
+def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> None:
+    figs = figures(timing)
+    status = record.http_status
+    served = status is not None and 200 <= status < 300
+    label = ctx.labels.label(record.model, served)
+    metrics = ctx.metrics
+    bound = metrics.bind(label, record.endpoint)
+    outcome = record.outcome.value
+
+    # TTFT and token gaps are what the client lived through, whatever the ending.
+    if figs.ttft_s is not None:
+        bound.ttft.observe(figs.ttft_s)
+    itl_observe = bound.itl.observe
+    for gap in figs.itl_s:
+        itl_observe(gap)
+    if record.outcome is Outcome.OK:
+        if figs.tpot_s is not None:
+            bound.tpot.observe(figs.tpot_s)
+        if figs.prompt_tokens is not None:
+            bound.prompt_tokens.observe(figs.prompt_tokens)
+        if figs.output_tokens is not None:
+            bound.output_tokens.observe(figs.output_tokens)
+    if figs.e2e_s is not None:
+        metrics.e2e.labels(label, record.endpoint, outcome).observe(figs.e2e_s)
+    metrics.requests.labels(label, record.endpoint, outcome).inc()
+
+    record.ttft_s = figs.ttft_s
+    record.e2e_s = figs.e2e_s
+    record.tpot_s = figs.tpot_s
+    record.prompt_tokens = figs.prompt_tokens
+    record.output_tokens = figs.output_tokens
+    record.tokens_exact = figs.tokens_exact
+    (record.itl_count, record.itl_mean_s, record.itl_p50_s, record.itl_p95_s,
+     record.itl_max_s) = summarize(figs.itl_s)
+    ctx.records.offer(record)

@@ -1,0 +1,81 @@
+"""The record of one proxied request, and the bounded queue that carries records off the hot path.
+
+The relay finishes a record in its `finally` and hands it over with `put_nowait`: it never
+waits. When the queue is full the record is dropped and counted; whoever stores records
+(a background writer) drains the queue at its own pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(StrEnum):
+    OK = "ok"
+    HTTP_ERROR = "http_error"  # the upstream answered with a non-2xx status
+    STREAM_ERROR = "stream_error"  # an error inside a 200 stream, or the stream broke off
+    UNREACHABLE = "unreachable"  # no connection to the upstream (502 to the client)
+    TIMEOUT = "timeout"  # the upstream went silent past the idle timeout (504 / broken stream)
+    CANCELLED = "cancelled"  # the client went away first; the upstream request was closed
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    started_at: datetime  # wall clock (UTC) at arrival, for storage; intervals use perf_counter
+    endpoint: str  # "completions" or "chat.completions"
+    model: str | None
+    upstream: str
+    stream: bool
+    outcome: Outcome
+    http_status: int | None
+    in_flight_at_arrival: int  # other requests in flight when this one arrived
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tpot_s: float | None = None
+    itl_count: int = 0
+    itl_mean_s: float | None = None
+    itl_p50_s: float | None = None
+    itl_p95_s: float | None = None
+    itl_max_s: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    tokens_exact: bool = True
+    run_id: str | None = None
+    error: str | None = None  # a short reason; never prompt or completion text
+
+
+class RecordQueue:
+    """A bounded FIFO of finished records. `offer` never blocks; overflow is dropped and counted."""
+
+    def __init__(self, maxsize: int, on_drop: Callable[[], None]) -> None:
+        self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize)
+        self._on_drop = on_drop
+        self.dropped = 0
+
+    def offer(self, record: RequestRecord) -> bool:
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            self._on_drop()
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("record queue full: %d records dropped so far", self.dropped)
+            return False
+        return True
+
+    async def get(self) -> RequestRecord:
+        return await self._queue.get()
+
+    def get_nowait(self) -> RequestRecord:
+        return self._queue.get_nowait()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()

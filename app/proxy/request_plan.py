@@ -1,0 +1,50 @@
+"""How an inference request is sent upstream: the one change phasewatch makes to it.
+
+To count tokens exactly, a streamed request asks the upstream for usage
+(`stream_options.include_usage`, plus `continuous_usage_stats` for per-chunk counts). What
+the client did not ask for is stripped from the response, so its stream is the one it would
+have had. Every other byte of the request is forwarded unchanged; a body that is not a JSON
+object is forwarded as it came, for the upstream to judge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(slots=True, frozen=True)
+class RequestPlan:
+    body: bytes  # what is sent upstream
+    model: str | None
+    stream: bool
+    strip_final_usage: bool  # drop the closing `choices: []` usage chunk
+    strip_chunk_usage: bool  # remove the running usage from every other chunk
+
+
+def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
+    try:
+        obj: Any = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return RequestPlan(body, None, False, False, False)
+    if not isinstance(obj, dict):
+        return RequestPlan(body, None, False, False, False)
+    model = obj.get("model")
+    model = model if isinstance(model, str) else None
+    stream = obj.get("stream") is True
+    options = obj.get("stream_options")
+    if not stream or not (options is None or isinstance(options, dict)):
+        return RequestPlan(body, model, stream, False, False)
+    options = options or {}
+    wants_usage = options.get("include_usage") is True
+    wants_continuous = wants_usage and options.get("continuous_usage_stats") is True
+    add_continuous = continuous_usage and not wants_continuous
+    if wants_usage and not add_continuous:
+        return RequestPlan(body, model, stream, False, False)
+    new_options = {**options, "include_usage": True}
+    if add_continuous:
+        new_options["continuous_usage_stats"] = True
+    obj["stream_options"] = new_options
+    return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous)

@@ -1,0 +1,145 @@
+"""Pure pieces of the hot path: event classification, usage stripping, timing arithmetic."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from app.proxy.events import Kind, classify, strip_usage
+from app.proxy.request_plan import plan_request
+from app.proxy.timing import NS, StreamTiming, figures, summarize
+
+MS = 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("data", "kind", "chars"),
+    [
+        (b"[DONE]", Kind.DONE, 0),
+        (b'{"choices":[{"index":0,"text":"Hi"}]}', Kind.OUTPUT, 2),
+        (b'{"choices":[{"index":0,"text":""}]}', Kind.EMPTY, 0),
+        (b'{"choices":[{"delta":{"role":"assistant","content":""}}]}', Kind.EMPTY, 0),
+        (b'{"choices":[{"delta":{"content":"abc"}}]}', Kind.OUTPUT, 3),
+        (b'{"choices":[{"delta":{"reasoning_content":"hm"}}]}', Kind.OUTPUT, 2),
+        (b'{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}',
+         Kind.OUTPUT, None),
+        (b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":9}}', Kind.USAGE, 0),
+        (b'{"error":{"message":"boom","code":500}}', Kind.ERROR, 0),
+        (b"not json", Kind.OTHER, 0),
+        (b"[1,2]", Kind.OTHER, 0),
+    ],
+)
+def test_classify(data: bytes, kind: Kind, chars: int | None) -> None:
+    info = classify(data)
+    assert info.kind is kind
+    if chars is not None:
+        assert info.chars == chars
+    else:
+        assert info.chars > 0
+
+
+def test_classify_reads_running_usage() -> None:
+    info = classify(b'{"choices":[{"text":"x"}],"usage":{"prompt_tokens":5,"completion_tokens":4}}')
+    assert (info.kind, info.completion_tokens, info.prompt_tokens) == (Kind.OUTPUT, 4, 5)
+
+
+CHUNK = (b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}],'
+         b'"usage":{"prompt_tokens":5,"total_tokens":7,"completion_tokens":2,'
+         b'"prompt_tokens_details":{"cached_tokens":0}}}\n\n')
+
+
+def test_strip_usage_cuts_only_the_usage_object() -> None:
+    as_chat = strip_usage(CHUNK, keep_null=False)
+    as_completion = strip_usage(CHUNK, keep_null=True)
+    assert as_chat == b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}]}\n\n'
+    assert as_completion == (b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}],'
+                             b'"usage":null}\n\n')
+    assert orjson.loads(as_completion[6:])["choices"][0]["text"] == 'hi "usage":{'
+
+
+def test_strip_usage_leaves_null_usage_and_handles_spaced_json() -> None:
+    null = b'data: {"choices":[],"usage":null}\n\n'
+    assert strip_usage(null, keep_null=True) is null
+    spaced = b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}\n\n'
+    assert orjson.loads(strip_usage(spaced, keep_null=False)[6:]) == {"choices": [{"text": "a"}]}
+
+
+def test_timing_with_exact_running_usage() -> None:
+    t = StreamTiming(arrival_ns=0)
+    t.output(100 * MS, cumulative=1, chars=3)  # first token at 100 ms
+    t.output(120 * MS, cumulative=2, chars=3)  # one token after 20 ms
+    t.output(180 * MS, cumulative=5, chars=9)  # three tokens in one chunk after 60 ms
+    t.completion_tokens, t.prompt_tokens, t.end_ns = 5, 11, 190 * MS
+    f = figures(t)
+    assert f.ttft_s == pytest.approx(0.1)
+    assert f.itl_s == pytest.approx([0.02, 0.02, 0.02, 0.02])
+    assert f.tpot_s == pytest.approx((0.19 - 0.1) / 4)
+    assert (f.output_tokens, f.prompt_tokens, f.tokens_exact) == (5, 11, True)
+    assert sum(f.itl_s) == pytest.approx(0.08)  # the gaps add up to first -> last output
+
+
+def test_timing_estimates_tokens_from_characters_without_running_usage() -> None:
+    t = StreamTiming(arrival_ns=0)
+    t.output(10 * MS, None, chars=4)
+    t.output(40 * MS, None, chars=12)  # three times the text of its neighbours
+    t.output(50 * MS, None, chars=4)
+    t.completion_tokens, t.end_ns = 5, 50 * MS
+    f = figures(t)
+    assert not f.tokens_exact
+    assert len(f.itl_s) == 4  # 5 tokens: 1 + 3 + 1, first one has no gap
+    assert f.itl_s == pytest.approx([0.01, 0.01, 0.01, 0.01])
+
+
+def test_timing_one_token_per_chunk_counts_as_exact_when_totals_agree() -> None:
+    t = StreamTiming(arrival_ns=0)
+    for i in range(1, 4):
+        t.output(i * 10 * MS, None, chars=2)
+    t.completion_tokens, t.end_ns = 3, 30 * MS
+    f = figures(t)
+    assert f.tokens_exact and f.itl_s == pytest.approx([0.01, 0.01])
+
+
+def test_timing_without_output_has_no_ttft() -> None:
+    f = figures(StreamTiming(arrival_ns=0, end_ns=NS))
+    assert (f.ttft_s, f.e2e_s, f.itl_s, f.tpot_s) == (None, 1.0, [], None)
+
+
+def test_summarize_nearest_rank() -> None:
+    samples = [float(i) for i in range(1, 101)]
+    assert summarize(samples) == (100, 50.5, 50.0, 95.0, 100.0)
+    assert summarize([]) == (0, None, None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("options", "continuous", "strip_final", "strip_chunks", "sent"),
+    [
+        (None, True, True, True, {"include_usage": True, "continuous_usage_stats": True}),
+        ({"include_usage": True}, True, False, True,
+         {"include_usage": True, "continuous_usage_stats": True}),
+        ({"include_usage": True, "continuous_usage_stats": True}, True, False, False, None),
+        (None, False, True, False, {"include_usage": True}),
+        ({"include_usage": True}, False, False, False, None),
+    ],
+)
+def test_plan_asks_for_usage_and_remembers_what_to_strip(
+    options: dict[str, bool] | None, continuous: bool, strip_final: bool, strip_chunks: bool,
+    sent: dict[str, bool] | None,
+) -> None:
+    request = {"model": "m", "prompt": "x", "stream": True}
+    if options is not None:
+        request["stream_options"] = options
+    body = orjson.dumps(request)
+    plan = plan_request(body, continuous)
+    assert (plan.model, plan.stream) == ("m", True)
+    assert (plan.strip_final_usage, plan.strip_chunk_usage) == (strip_final, strip_chunks)
+    if sent is None:
+        assert plan.body is body  # unchanged, byte for byte
+    else:
+        assert orjson.loads(plan.body) == {**request, "stream_options": sent}
+
+
+def test_plan_leaves_non_streaming_and_non_json_bodies_alone() -> None:
+    body = b'{"model":"m","prompt":"x"}'
+    assert plan_request(body, True).body is body
+    assert plan_request(b"{not json", True).body == b"{not json"
+    assert plan_request(b'{"stream":true,"stream_options":"bad"}', True).strip_final_usage is False

@@ -1,0 +1,129 @@
+"""The proxy's TTFT and ITL against an upstream that writes chunks at scripted times.
+
+The scripted upstream runs in its own process and logs the CLOCK_MONOTONIC time at which it
+wrote each chunk; the proxy's figures must match those times, and what the client itself saw,
+within a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import Proxy
+
+TOLERANCE_S = 0.006  # loopback hops and scheduling on a shared 2-core machine
+
+
+def stream(proxy: Proxy, path: str, script: dict[str, Any], body: dict[str, Any] | None = None,
+           ) -> tuple[str, float, list[tuple[float, bytes]]]:
+    """Send one streamed request; return its id, the client's send time and each read it got."""
+    request_id = uuid.uuid4().hex
+    payload = {"model": "scripted", "stream": True, "max_tokens": 8, **(body or {})}
+    payload["messages" if "chat" in path else "prompt"] = (
+        [{"role": "user", "content": "hi"}] if "chat" in path else "hi"
+    )
+    reads: list[tuple[float, bytes]] = []
+    with httpx.Client(timeout=30) as client:
+        sent = time.monotonic()
+        with client.stream("POST", proxy.url + path, json=payload,
+                           headers={"x-script": orjson.dumps(script).decode(),
+                                    "x-request-id": request_id}) as response:
+            assert response.status_code == 200
+            for data in response.iter_raw():
+                reads.append((time.monotonic(), data))
+    return request_id, sent, reads
+
+
+def upstream_log(url: str, request_id: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/_log/{request_id}").json())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_ttft_and_itl_match_the_scripted_times(proxy: Proxy, scripted_url: str, path: str) -> None:
+    script = {
+        "role_at": 0.02,  # chat: a role-only chunk long before the first token
+        "tokens": [[0.15, "Hello", 1], [0.17, " there", 1], [0.22, " my", 1],
+                   [0.23, " friend", 1], [0.33, "!", 1]],
+    }
+    request_id, _, _ = stream(proxy, path, script)
+    record = proxy.next_record()
+    log = upstream_log(scripted_url, request_id)
+    sent_s = [ns / 1e9 for ns in log["sent_ns"]]
+    token_writes = sent_s[1:6] if "chat" in path else sent_s[0:5]
+    arrival_upstream = log["arrived_ns"] / 1e9
+
+    assert record.outcome == "ok" and record.stream and record.model == "scripted"
+    assert (record.prompt_tokens, record.output_tokens, record.tokens_exact) == (7, 5, True)
+    # The proxy's arrival precedes the upstream's by one loopback hop: TTFT within tolerance.
+    assert record.ttft_s == pytest.approx(token_writes[0] - arrival_upstream, abs=TOLERANCE_S)
+    assert record.ttft_s == pytest.approx(0.15, abs=TOLERANCE_S)
+    gaps = [b - a for a, b in zip(token_writes, token_writes[1:], strict=False)]
+    assert record.itl_count == 4
+    assert record.itl_max_s == pytest.approx(max(gaps), abs=TOLERANCE_S)
+    assert record.itl_mean_s == pytest.approx(sum(gaps) / 4, abs=TOLERANCE_S / 2)
+    assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 4)
+    # The same figures reached Prometheus, one ITL observation per token gap.
+    labels = {"model": "scripted", "endpoint": record.endpoint}
+    assert proxy.sample("phasewatch_inter_token_latency_seconds_count", labels) == 4
+    assert proxy.sample("phasewatch_time_to_first_token_seconds_sum", labels) == record.ttft_s
+
+
+def test_proxy_figures_agree_with_what_the_client_saw(proxy: Proxy) -> None:
+    script = {"tokens": [[0.1 + 0.03 * i, f" t{i}", 1] for i in range(10)]}
+    _, sent, reads = stream(proxy, "/v1/completions", script)
+    record = proxy.next_record()
+    output_reads = [t for t, data in reads if b'"text":" t' in data]
+    assert len(output_reads) == 10
+    client_ttft = output_reads[0] - sent
+    client_gaps = [b - a for a, b in zip(output_reads, output_reads[1:], strict=False)]
+    assert record.ttft_s == pytest.approx(client_ttft, abs=TOLERANCE_S)
+    assert record.itl_p50_s == pytest.approx(sorted(client_gaps)[4], abs=TOLERANCE_S)
+    assert record.e2e_s is not None and record.e2e_s <= reads[-1][0] - sent + 0.001
+
+
+def test_a_chunk_carrying_several_tokens_spreads_its_gap(proxy: Proxy) -> None:
+    # 1 token at 100 ms, then 4 tokens together at 180 ms: 4 gaps of 20 ms each.
+    script = {"tokens": [[0.1, "a", 1], [0.18, "bcde", 4], [0.2, "f", 1]]}
+    stream(proxy, "/v1/completions", script)
+    record = proxy.next_record()
+    assert record.output_tokens == 6 and record.itl_count == 5 and record.tokens_exact
+    assert record.itl_p50_s == pytest.approx(0.02, abs=0.003)
+    assert record.itl_max_s == pytest.approx(0.02, abs=0.003)
+
+
+def test_without_running_usage_tokens_are_estimated_and_marked(make_proxy: Any,
+                                                                scripted_url: str) -> None:
+    proxy = make_proxy(scripted_url, upstream_continuous_usage=False)
+    script = {"tokens": [[0.1, "a", 1], [0.18, "bbbb", 4], [0.2, "c", 1]]}
+    stream(proxy, "/v1/completions", script)
+    record = proxy.next_record()
+    assert record.output_tokens == 6 and not record.tokens_exact
+    assert record.itl_count == 5  # the final usage count, spread by characters
+    assert record.itl_max_s == pytest.approx(0.02, abs=0.003)
+
+
+def test_events_split_across_reads_are_timed_when_they_complete(proxy: Proxy) -> None:
+    script = {"split": True, "tokens": [[0.1, "a", 1], [0.15, "b", 1], [0.2, "c", 1]]}
+    stream(proxy, "/v1/completions", script)
+    record = proxy.next_record()
+    # Each event's second half is written 5 ms after its first: that is when the token exists.
+    assert record.ttft_s == pytest.approx(0.105, abs=TOLERANCE_S)
+    assert record.itl_count == 2 and record.itl_mean_s == pytest.approx(0.05, abs=0.004)
+
+
+def test_non_streamed_request_records_e2e_and_tokens(proxy: Proxy) -> None:
+    script = {"tokens": [[0.05, "a", 1], [0.12, "b", 2]]}
+    response = httpx.post(proxy.url + "/v1/completions",
+                          json={"model": "scripted", "prompt": "x", "max_tokens": 3},
+                          headers={"x-script": orjson.dumps(script).decode()})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    record = proxy.next_record()
+    assert not record.stream and record.ttft_s is None and record.itl_count == 0
+    assert record.output_tokens == 3 and record.prompt_tokens == 7
+    assert record.e2e_s == pytest.approx(0.12, abs=TOLERANCE_S)
