@@ -230,10 +230,6 @@ async def _relay_stream(
                 await send(
                     {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
                 )
-        for raw in decoder.flush():
-            done = _note(raw, perf_counter_ns(), record, timing) is Kind.DONE or done
-            if rewrite:
-                await send({"type": "http.response.body", "body": raw, "more_body": True})
     except TimeoutError:
         record.outcome = Outcome.TIMEOUT
         record.error = "upstream went silent past the idle timeout"
@@ -241,6 +237,11 @@ async def _relay_stream(
         record.outcome = Outcome.STREAM_ERROR
         record.error = f"upstream stream broke: {type(exc).__name__}"
     timing.end_ns = perf_counter_ns()
+    unterminated = decoder.flush()  # a last event without its blank line, or a broken one
+    for raw in unterminated:
+        done = _note(raw, timing.end_ns, record, timing) is Kind.DONE or done
+        if rewrite:
+            await send({"type": "http.response.body", "body": raw, "more_body": True})
     tail = b""
     if not done and record.outcome is Outcome.OK:
         record.outcome = Outcome.STREAM_ERROR
@@ -249,7 +250,8 @@ async def _relay_stream(
         # Never leave the client hanging on a broken stream: say why, in-band, as vLLM does.
         message = f"phasewatch: {record.error}"
         error = error_body(message, "upstream_error", 502)
-        tail = b"\n\ndata: " + error + b"\n\n" + _DONE_EVENT
+        # End a half-sent event first, so the error is an event of its own.
+        tail = (b"\n\n" if unterminated else b"") + b"data: " + error + b"\n\n" + _DONE_EVENT
     state.responded = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 

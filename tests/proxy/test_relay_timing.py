@@ -7,6 +7,7 @@ within a few milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Any
@@ -17,7 +18,19 @@ import pytest
 
 from tests.conftest import Proxy
 
-TOLERANCE_S = 0.006  # loopback hops and scheduling on a shared 2-core machine
+# A gap between two reads of one stream is measured at both ends of one connection: tight.
+GAP_TOLERANCE_S = 0.003
+# TTFT also holds the request's own way in (client -> proxy -> upstream): about 1.5 ms here,
+# but a busy neighbour on this shared 2-core machine can delay one hop by 10 ms or more. The
+# overhead benchmark measures this leg properly; here it only bounds it.
+LEG_TOLERANCE_S = 0.025
+
+
+def assert_ttft(ttft: float | None, log: dict[str, Any], write: int) -> None:
+    """The proxy cannot see the token before the upstream wrote it, nor long after."""
+    written = (log["sent_ns"][write] - log["arrived_ns"]) / 1e9
+    assert ttft is not None
+    assert written - 0.001 <= ttft <= written + LEG_TOLERANCE_S, (ttft, written)
 
 
 def stream(proxy: Proxy, path: str, script: dict[str, Any], body: dict[str, Any] | None = None,
@@ -44,6 +57,10 @@ def upstream_log(url: str, request_id: str) -> dict[str, Any]:
     return dict(httpx.get(f"{url}/_log/{request_id}").json())
 
 
+def proxy_upstream(proxy: Proxy) -> str:
+    return str(proxy.server.app.state.proxy.upstream)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_ttft_and_itl_match_the_scripted_times(proxy: Proxy, scripted_url: str, path: str) -> None:
     script = {
@@ -54,19 +71,17 @@ def test_ttft_and_itl_match_the_scripted_times(proxy: Proxy, scripted_url: str, 
     request_id, _, _ = stream(proxy, path, script)
     record = proxy.next_record()
     log = upstream_log(scripted_url, request_id)
-    sent_s = [ns / 1e9 for ns in log["sent_ns"]]
-    token_writes = sent_s[1:6] if "chat" in path else sent_s[0:5]
-    arrival_upstream = log["arrived_ns"] / 1e9
+    first = 1 if "chat" in path else 0  # the role-only chunk is not the first token
+    token_writes = [ns / 1e9 for ns in log["sent_ns"][first:first + 5]]
 
     assert record.outcome == "ok" and record.stream and record.model == "scripted"
     assert (record.prompt_tokens, record.output_tokens, record.tokens_exact) == (7, 5, True)
-    # The proxy's arrival precedes the upstream's by one loopback hop: TTFT within tolerance.
-    assert record.ttft_s == pytest.approx(token_writes[0] - arrival_upstream, abs=TOLERANCE_S)
-    assert record.ttft_s == pytest.approx(0.15, abs=TOLERANCE_S)
-    gaps = [b - a for a, b in zip(token_writes, token_writes[1:], strict=False)]
+    assert_ttft(record.ttft_s, log, first)
+    gaps = sorted(b - a for a, b in itertools.pairwise(token_writes))  # 20, 50, 10, 100 ms
     assert record.itl_count == 4
-    assert record.itl_max_s == pytest.approx(max(gaps), abs=TOLERANCE_S)
-    assert record.itl_mean_s == pytest.approx(sum(gaps) / 4, abs=TOLERANCE_S / 2)
+    assert record.itl_max_s == pytest.approx(gaps[-1], abs=GAP_TOLERANCE_S)
+    assert record.itl_p50_s == pytest.approx(gaps[1], abs=GAP_TOLERANCE_S)
+    assert record.itl_mean_s == pytest.approx(sum(gaps) / 4, abs=GAP_TOLERANCE_S)
     assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 4)
     # The same figures reached Prometheus, one ITL observation per token gap.
     labels = {"model": "scripted", "endpoint": record.endpoint}
@@ -81,9 +96,11 @@ def test_proxy_figures_agree_with_what_the_client_saw(proxy: Proxy) -> None:
     output_reads = [t for t, data in reads if b'"text":" t' in data]
     assert len(output_reads) == 10
     client_ttft = output_reads[0] - sent
-    client_gaps = [b - a for a, b in zip(output_reads, output_reads[1:], strict=False)]
-    assert record.ttft_s == pytest.approx(client_ttft, abs=TOLERANCE_S)
-    assert record.itl_p50_s == pytest.approx(sorted(client_gaps)[4], abs=TOLERANCE_S)
+    client_gaps = [b - a for a, b in itertools.pairwise(output_reads)]
+    # The client started its clock before the proxy and saw the token after it.
+    assert record.ttft_s is not None
+    assert record.ttft_s - 0.001 <= client_ttft <= record.ttft_s + LEG_TOLERANCE_S
+    assert record.itl_p50_s == pytest.approx(sorted(client_gaps)[4], abs=GAP_TOLERANCE_S)
     assert record.e2e_s is not None and record.e2e_s <= reads[-1][0] - sent + 0.001
 
 
@@ -93,8 +110,8 @@ def test_a_chunk_carrying_several_tokens_spreads_its_gap(proxy: Proxy) -> None:
     stream(proxy, "/v1/completions", script)
     record = proxy.next_record()
     assert record.output_tokens == 6 and record.itl_count == 5 and record.tokens_exact
-    assert record.itl_p50_s == pytest.approx(0.02, abs=0.003)
-    assert record.itl_max_s == pytest.approx(0.02, abs=0.003)
+    assert record.itl_p50_s == pytest.approx(0.02, abs=GAP_TOLERANCE_S)
+    assert record.itl_max_s == pytest.approx(0.02, abs=GAP_TOLERANCE_S)
 
 
 def test_without_running_usage_tokens_are_estimated_and_marked(make_proxy: Any,
@@ -105,25 +122,30 @@ def test_without_running_usage_tokens_are_estimated_and_marked(make_proxy: Any,
     record = proxy.next_record()
     assert record.output_tokens == 6 and not record.tokens_exact
     assert record.itl_count == 5  # the final usage count, spread by characters
-    assert record.itl_max_s == pytest.approx(0.02, abs=0.003)
+    assert record.itl_max_s == pytest.approx(0.02, abs=GAP_TOLERANCE_S)
 
 
 def test_events_split_across_reads_are_timed_when_they_complete(proxy: Proxy) -> None:
     script = {"split": True, "tokens": [[0.1, "a", 1], [0.15, "b", 1], [0.2, "c", 1]]}
-    stream(proxy, "/v1/completions", script)
+    request_id, _, _ = stream(proxy, "/v1/completions", script)
     record = proxy.next_record()
-    # Each event's second half is written 5 ms after its first: that is when the token exists.
-    assert record.ttft_s == pytest.approx(0.105, abs=TOLERANCE_S)
-    assert record.itl_count == 2 and record.itl_mean_s == pytest.approx(0.05, abs=0.004)
+    # Each event's second half is written 5 ms after its first (the upstream logs the time of
+    # the second): only then is the token there to see.
+    assert_ttft(record.ttft_s, upstream_log(proxy_upstream(proxy), request_id), 0)
+    assert record.itl_count == 2
+    assert record.itl_mean_s == pytest.approx(0.05, abs=GAP_TOLERANCE_S)
 
 
 def test_non_streamed_request_records_e2e_and_tokens(proxy: Proxy) -> None:
     script = {"tokens": [[0.05, "a", 1], [0.12, "b", 2]]}
     response = httpx.post(proxy.url + "/v1/completions",
                           json={"model": "scripted", "prompt": "x", "max_tokens": 3},
-                          headers={"x-script": orjson.dumps(script).decode()})
+                          headers={"x-script": orjson.dumps(script).decode(),
+                                   "x-request-id": "non-streamed"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
     record = proxy.next_record()
     assert not record.stream and record.ttft_s is None and record.itl_count == 0
     assert record.output_tokens == 3 and record.prompt_tokens == 7
-    assert record.e2e_s == pytest.approx(0.12, abs=TOLERANCE_S)
+    log = upstream_log(proxy_upstream(proxy), "non-streamed")
+    written = (log["sent_ns"][0] - log["arrived_ns"]) / 1e9
+    assert written - 0.001 <= record.e2e_s <= written + LEG_TOLERANCE_S

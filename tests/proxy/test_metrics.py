@@ -1,0 +1,100 @@
+"""What `/metrics` exposes, read from a real proxy's endpoint and its injected registry."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.core.metrics import ProxyMetrics
+from tests.conftest import Proxy
+
+SCRIPT = {"x-script": orjson.dumps({"tokens": [[0.01, "a", 1], [0.02, "b", 1]]}).decode()}
+
+
+def test_slo_thresholds_are_exact_bucket_edges() -> None:
+    metrics = ProxyMetrics(CollectorRegistry(), slo_ttft_s=0.35, slo_itl_s=0.0125)
+    assert 0.35 in metrics.ttft_buckets and 0.0125 in metrics.itl_buckets
+    assert min(metrics.itl_buckets) < 0.005  # sub-10 ms decode steps are resolved
+
+
+def test_metrics_endpoint_has_the_histograms_with_slo_edges(proxy: Proxy) -> None:
+    httpx.post(proxy.url + "/v1/completions",
+               json={"model": "scripted", "prompt": "x", "stream": True}, headers=SCRIPT).read()
+    proxy.next_record()
+    text = httpx.get(proxy.url + "/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    labels = (("endpoint", "completions"), ("model", "scripted"))
+    assert samples["phasewatch_time_to_first_token_seconds_bucket", (*labels[:1], ("le", "0.5"),
+                                                                     *labels[1:])] == 1
+    assert samples["phasewatch_inter_token_latency_seconds_bucket", (*labels[:1], ("le", "0.04"),
+                                                                    *labels[1:])] == 1
+    for name in ("phasewatch_request_time_per_output_token_seconds_count",
+                 "phasewatch_e2e_request_latency_seconds_count",
+                 "phasewatch_request_prompt_tokens_sum", "phasewatch_request_generation_tokens_sum",
+                 "phasewatch_requests_total", "phasewatch_requests_in_flight",
+                 "phasewatch_records_dropped_total"):
+        assert name in text, name
+    assert proxy.sample("phasewatch_request_generation_tokens_sum",
+                        {"model": "scripted", "endpoint": "completions"}) == 2
+
+
+def test_custom_slo_edges_reach_the_exposition(make_proxy: Any, scripted_url: str) -> None:
+    proxy = make_proxy(scripted_url, slo_ttft_s=0.35, slo_itl_s=0.0125)
+    httpx.post(proxy.url + "/v1/completions",
+               json={"model": "scripted", "prompt": "x", "stream": True}, headers=SCRIPT).read()
+    text = httpx.get(proxy.url + "/metrics").text
+    assert 'le="0.35"' in text and 'le="0.0125"' in text
+
+
+def test_hostile_model_names_cannot_grow_the_series(make_proxy: Any, scripted_url: str) -> None:
+    proxy = make_proxy(scripted_url, max_model_labels=2)
+    for i in range(6):
+        # The scripted upstream serves any name; only the first two get their own label.
+        httpx.post(proxy.url + "/v1/completions",
+                   json={"model": f"model-{i}", "prompt": "x"}, headers=SCRIPT)
+    for i in range(6):
+        httpx.post(proxy.url + "/v1/completions", json={"model": f"bad-{i}", "prompt": "x"},
+                   headers={"x-script": '{"status": 404}'})
+    registry = proxy.registry
+    models = {s.labels["model"] for m in registry.collect() if m.name == "phasewatch_requests"
+              for s in m.samples}
+    assert models == {"model-0", "model-1", "other"}
+    assert proxy.sample("phasewatch_requests_total",
+                        {"model": "other", "endpoint": "completions", "outcome": "ok"}) == 4
+
+
+def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
+    slow = {"x-script": orjson.dumps({"tokens": [[0.6, "a", 1]]}).decode()}
+    threads = [threading.Thread(target=lambda: httpx.post(
+        proxy.url + "/v1/completions", json={"model": "scripted", "prompt": "x", "stream": True},
+        headers=slow, timeout=10)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert proxy.sample("phasewatch_requests_in_flight") == 3
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 2  # the last byte can reach the client before `finally` runs
+    while proxy.sample("phasewatch_requests_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proxy.sample("phasewatch_requests_in_flight") == 0
+    records = sorted(proxy.next_record().in_flight_at_arrival for _ in range(3))
+    assert records == [0, 1, 2]
+
+
+def test_a_full_record_queue_drops_and_counts_but_never_blocks(make_proxy: Any,
+                                                               scripted_url: str) -> None:
+    proxy = make_proxy(scripted_url, record_queue_size=2)
+    for _ in range(5):
+        response = httpx.post(proxy.url + "/v1/completions",
+                              json={"model": "scripted", "prompt": "x"}, headers=SCRIPT)
+        assert response.status_code == 200
+    assert proxy.pending_records() == 2
+    assert proxy.sample("phasewatch_records_dropped_total") == 3

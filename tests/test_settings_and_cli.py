@@ -1,0 +1,59 @@
+"""Configuration fails early and clearly; the `phasewatch` command runs the proxy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from app.core.settings import SettingsError, load_settings
+from tests.support.servers import free_port, subprocess_server
+
+
+def test_defaults_need_no_configuration() -> None:
+    settings = load_settings()
+    assert settings.upstream_base == "http://127.0.0.1:8000"
+    assert (settings.slo_ttft_s, settings.slo_itl_s) == (0.5, 0.04)
+
+
+def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHASEWATCH_UPSTREAM_URL", "http://10.1.2.3:9000/")
+    monkeypatch.setenv("PHASEWATCH_SLO_ITL_S", "0.05")
+    settings = load_settings()
+    assert settings.upstream_base == "http://10.1.2.3:9000" and settings.slo_itl_s == 0.05
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [("PHASEWATCH_UPSTREAM_URL", "not a url", "PHASEWATCH_UPSTREAM_URL='not a url' is invalid"),
+     ("PHASEWATCH_PORT", "70000", "PHASEWATCH_PORT='70000' is invalid"),
+     ("PHASEWATCH_SLO_TTFT_S", "-1", "PHASEWATCH_SLO_TTFT_S='-1' is invalid"),
+     ("PHASEWATCH_LOG_LEVEL", "loud", "must be one of")],
+)
+def test_bad_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, variable: str, value: str,
+                                      says: str) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError, match=says.replace("(", r"\(")):
+        load_settings()
+
+
+def test_serve_refuses_bad_configuration_with_a_sentence() -> None:
+    env = {**os.environ, "PHASEWATCH_UPSTREAM_URL": "nope"}
+    result = subprocess.run([sys.executable, "-m", "app.cli", "serve"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "invalid configuration: PHASEWATCH_UPSTREAM_URL='nope' is invalid" in result.stderr
+
+
+def test_serve_runs_the_proxy(scripted_url: str) -> None:
+    port = free_port()
+    args = ["-m", "app.cli", "serve", "--upstream", scripted_url, "--port", str(port)]
+    with subprocess_server(args, f"http://127.0.0.1:{port}/api/health",
+                           env={"PHASEWATCH_LOG_LEVEL": "warning"}):
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "scripted"
+        assert len(models.headers.get_list("date")) <= 1
+        assert "phasewatch_requests_in_flight" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
