@@ -46,6 +46,34 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _db(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from app.core.db import create_engine
+    from app.store.migrate import schema_state, upgrade
+
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"phasewatch: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    url = settings.database_url
+    if args.action == "upgrade":
+        upgrade(url, args.revision)
+    engine = create_engine(url)
+
+    async def state() -> str:
+        try:
+            found = await schema_state(engine)
+        finally:
+            await engine.dispose()
+        status = "up to date" if found.current == found.head else "behind"
+        return f"revision {found.current or 'none'} (code needs {found.head}): {status}"
+
+    print(f"database {url.split('@')[-1]}: {asyncio.run(state())}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phasewatch",
@@ -59,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="listen address (PHASEWATCH_HOST)")
     serve.add_argument("--port", type=int, help="listen port (PHASEWATCH_PORT)")
     serve.set_defaults(func=_serve)
+    db = commands.add_parser("db", help="database schema (PHASEWATCH_DATABASE_URL)")
+    db_actions = db.add_subparsers(dest="action", required=True)
+    upgrade = db_actions.add_parser("upgrade", help="apply migrations")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    db_actions.add_parser("current", help="show the schema revision")
+    db.set_defaults(func=_db)
     try:
         from app.sim.cli import add_parser as add_sim_parser
     except ImportError:  # the simulator is optional at this layer

@@ -1,44 +1,54 @@
-"""Fixtures shared by all tests: real servers on loopback."""
+"""Fixtures shared by all tests: real servers on loopback, real databases."""
 
 from __future__ import annotations
 
 import sys
+import time
+import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
 from app.core.settings import load_settings
 from app.main import create_app
-from app.proxy.records import RequestRecord
+from tests.support.databases import postgres_database
 from tests.support.servers import ThreadServer, free_port, subprocess_server
 
 # Threads in the test process hand the GIL over every 5 ms by default; that jitter would show
-# up in the latencies the tests compare. Servers whose timing is asserted use subprocesses.
+# up in the latencies the tests compare.
 sys.setswitchinterval(0.0005)
 
 
 class Proxy:
-    """A phasewatch proxy under uvicorn in a thread, with its registry and records at hand."""
+    """A phasewatch proxy under uvicorn in a thread, with its registry and stored records."""
 
     def __init__(self, server: ThreadServer, registry: CollectorRegistry) -> None:
         self.server = server
         self.registry = registry
         self.url = server.url
+        self._seen: set[int] = set()
 
-    def next_record(self, timeout: float = 10.0) -> RequestRecord:
-        async def get() -> RequestRecord:
-            queue = self.server.app.state.proxy.records
-            return await __import__("asyncio").wait_for(queue.get(), timeout)
+    def stored(self, **filters: Any) -> list[dict[str, Any]]:
+        """Stored request records, oldest first (through the proxy's own API)."""
+        response = httpx.get(self.url + "/api/requests", params={"limit": 1000, **filters})
+        response.raise_for_status()
+        return list(reversed(response.json()["items"]))
 
-        return self.server.call(get(), timeout=timeout + 1)
-
-    def pending_records(self) -> int:
-        async def size() -> int:
-            return int(self.server.app.state.proxy.records.qsize())
-
-        return self.server.call(size())
+    def next_record(self, timeout: float = 10.0) -> SimpleNamespace:
+        """The oldest stored record not returned before, waiting for the writer to store it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for row in self.stored():
+                if row["id"] not in self._seen:
+                    self._seen.add(row["id"])
+                    return SimpleNamespace(**row)
+            time.sleep(0.02)
+        raise AssertionError(f"no new record stored within {timeout} s")
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
         return self.registry.get_sample_value(name, labels or {}) or 0.0
@@ -54,11 +64,27 @@ def scripted_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def make_proxy() -> Iterator[Callable[..., Proxy]]:
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'phasewatch.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database of each kind: an SQLite file, and a fresh Postgres database."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'phasewatch.db'}"
+    else:
+        with postgres_database(f"pw_{uuid.uuid4().hex[:12]}") as url:
+            yield url
+
+
+@pytest.fixture
+def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
     started: list[ThreadServer] = []
 
     def make(upstream: str, **overrides: Any) -> Proxy:
         registry = CollectorRegistry()
+        overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02, **overrides}
         settings = load_settings(upstream_url=upstream, **overrides)
         server = ThreadServer(create_app(settings, registry=registry)).start()
         started.append(server)

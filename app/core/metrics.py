@@ -100,6 +100,21 @@ class ProxyMetrics:
             "Request records dropped because the record queue was full.",
             registry=registry,
         )
+        self.records_written = Counter(
+            "phasewatch_records_written",
+            "Request records stored in the database.",
+            registry=registry,
+        )
+        self.record_write_failures = Counter(
+            "phasewatch_record_write_failures",
+            "Failed attempts to store a batch of records (the batch is retried).",
+            registry=registry,
+        )
+        self.record_queue_depth = Gauge(
+            "phasewatch_record_queue_depth",
+            "Request records waiting to be stored.",
+            registry=registry,
+        )
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
 
     def bind(self, model: str, endpoint: str) -> BoundMetrics:

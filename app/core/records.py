@@ -1,4 +1,6 @@
-"""The record of one proxied request, and the bounded queue that carries records off the hot path.
+"""The record of one proxied request, and the bounded queue that carries it off the hot path.
+
+Shared by the relay (which fills records) and the store (which writes them), so it lives in core.
 
 The relay finishes a record in its `finally` and hands it over with `put_nowait`: it never
 waits. When the queue is full the record is dropped and counted; whoever stores records

@@ -45,6 +45,18 @@ class Settings(BaseSettings):
     # Finished-request records waiting to be stored; past this, records are dropped and counted.
     record_queue_size: int = Field(default=10_000, ge=1)
 
+    # Where records and runs are stored: an SQLite file by default (created on first start),
+    # or `postgresql+asyncpg://user@host:5432/db`.
+    database_url: str = "sqlite+aiosqlite:///phasewatch.db"
+    # Apply pending migrations at startup instead of refusing to start on an old schema.
+    database_auto_upgrade: bool = False
+    # The background writer stores records in batches of up to this many, at least this often.
+    writer_batch_size: int = Field(default=1000, ge=1)
+    writer_flush_interval_s: float = Field(default=0.2, gt=0)
+    # Raw request rows are kept this long (per-minute rollups are kept); 0 keeps them forever.
+    retention_days: float = Field(default=14.0, ge=0)
+    retention_interval_s: float = Field(default=300.0, gt=0)
+
     log_level: str = "info"
 
     @field_validator("log_level")
@@ -54,6 +66,15 @@ class Settings(BaseSettings):
         if value.lower() not in levels:
             raise ValueError(f"must be one of {', '.join(sorted(levels))}")
         return value.lower()
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, value: str) -> str:
+        if value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("use the asyncpg driver: postgresql+asyncpg://...")
+        if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+            raise ValueError("must start with sqlite+aiosqlite:// or postgresql+asyncpg://")
+        return value
 
     @property
     def upstream_base(self) -> str:

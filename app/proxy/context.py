@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from app.core.metrics import ProxyMetrics
+from app.core.records import RecordQueue
 from app.core.settings import Settings
 from app.proxy.labels import ModelLabels
-from app.proxy.records import RecordQueue
 
 
 @dataclass(slots=True)

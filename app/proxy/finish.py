@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from app.core.records import Outcome, RequestRecord
 from app.proxy.context import ProxyContext
-from app.proxy.records import Outcome, RequestRecord
 from app.proxy.timing import StreamTiming, figures, summarize
 
 log = logging.getLogger(__name__)

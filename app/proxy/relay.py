@@ -22,6 +22,7 @@ from time import perf_counter_ns
 import aiohttp
 import orjson
 
+from app.core.records import Outcome, RequestRecord
 from app.proxy.asgi import (
     REQUEST_ID,
     RUN_ID,
@@ -40,7 +41,6 @@ from app.proxy.asgi import (
 from app.proxy.context import ProxyContext
 from app.proxy.events import Kind, classify, strip_usage
 from app.proxy.finish import finish
-from app.proxy.records import Outcome, RequestRecord
 from app.proxy.request_plan import RequestPlan, plan_request
 from app.proxy.sse import SSEDecoder, event_data
 from app.proxy.timing import StreamTiming

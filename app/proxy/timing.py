@@ -20,8 +20,9 @@ the upstream returned, just before those bytes are forwarded to the client. Inte
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
+
+from app.core.quantiles import percentile
 
 NS = 1_000_000_000
 
@@ -130,8 +131,4 @@ def summarize(samples: list[float]) -> Summary:
         return 0, None, None, None, None
     ordered = sorted(samples)
     n = len(ordered)
-
-    def rank(q: float) -> float:
-        return ordered[max(0, math.ceil(q * n) - 1)]
-
-    return n, sum(ordered) / n, rank(0.50), rank(0.95), ordered[-1]
+    return n, sum(ordered) / n, percentile(ordered, 0.50), percentile(ordered, 0.95), ordered[-1]

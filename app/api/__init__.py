@@ -1,0 +1,1 @@
+"""phasewatch's own JSON API under `/api`: thin routers over the store's queries."""

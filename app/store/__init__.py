@@ -1,0 +1,1 @@
+"""Persistence: schema, migrations, the write-behind record writer, queries and retention."""

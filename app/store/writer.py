@@ -1,0 +1,124 @@
+"""The write-behind record writer: one background task storing records in batches.
+
+The relay only ever `offer`s records to the bounded queue. This task takes them off in batches
+(up to `batch_size`, or whatever arrived within `flush_interval`), and inserts each batch in one
+statement. If the database is slow or down, the batch is retried with backoff while the queue
+fills up to its bound, beyond which the queue drops and counts records; writing resumes by itself
+when the database answers again. On shutdown the queue is flushed, within a time limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import fields
+
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.core.metrics import ProxyMetrics
+from app.core.records import RecordQueue, RequestRecord
+from app.store.models import RequestRow
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 5.0
+
+
+_FIELDS = tuple(field.name for field in fields(RequestRecord))
+
+
+def record_row(record: RequestRecord) -> dict[str, object]:
+    row = {name: getattr(record, name) for name in _FIELDS}
+    row["outcome"] = record.outcome.value
+    if record.error is not None:
+        row["error"] = record.error[:200]
+    return row
+
+
+class RecordWriter:
+    def __init__(
+        self,
+        queue: RecordQueue,
+        engine: AsyncEngine,
+        metrics: ProxyMetrics,
+        batch_size: int,
+        flush_interval_s: float,
+    ) -> None:
+        self._queue = queue
+        self._engine = engine
+        self._metrics = metrics
+        self._batch_size = batch_size
+        self._flush_interval_s = flush_interval_s
+        self._batch: list[RequestRecord] = []  # taken off the queue, not yet stored
+        self._failing_since: float | None = None
+
+    async def run(self) -> None:
+        """Store records until cancelled. Never raises for a database fault."""
+        backoff = 0.1
+        while True:
+            if not self._batch:
+                await self._collect()
+            if await self._write():
+                backoff = 0.1
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _collect(self) -> None:
+        """Wait for one record, then take whatever else arrives within the flush interval."""
+        self._batch.append(await self._queue.get())
+        deadline = time.monotonic() + self._flush_interval_s
+        while len(self._batch) < self._batch_size:
+            try:
+                self._batch.append(self._queue.get_nowait())
+                continue
+            except asyncio.QueueEmpty:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                self._batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+            except TimeoutError:
+                break
+        self._metrics.record_queue_depth.set(self._queue.qsize())
+
+    async def _write(self) -> bool:
+        rows = [record_row(record) for record in self._batch]
+        try:
+            async with self._engine.begin() as connection:
+                await connection.execute(insert(RequestRow), rows)
+        except Exception as exc:  # any database fault: keep the batch, retry later
+            self._metrics.record_write_failures.inc()
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                log.warning("cannot store records (%s: %s); retrying, %d queued",
+                            type(exc).__name__, str(exc)[:200], self._queue.qsize())
+            return False
+        if self._failing_since is not None:
+            log.warning("storing records again after %.1f s; %d dropped meanwhile in total",
+                        time.monotonic() - self._failing_since, self._queue.dropped)
+            self._failing_since = None
+        self._metrics.records_written.inc(len(rows))
+        self._batch = []
+        return True
+
+    async def flush(self, timeout_s: float) -> int:
+        """Store everything queued, giving up after `timeout_s`. Returns records left unstored."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            while len(self._batch) < self._batch_size:
+                try:
+                    self._batch.append(self._queue.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            if not self._batch:
+                return 0
+            if not await self._write():
+                await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        left = len(self._batch) + self._queue.qsize()
+        if left:
+            log.warning("shutting down with %d records not stored", left)
+        return left
