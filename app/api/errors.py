@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 
 def error_response(status: int, message: str, error_type: str,
-                   param: str | None = None) -> ORJSONResponse:
-    return ORJSONResponse(
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(
         {"error": {"message": message, "type": error_type, "param": param, "code": status}},
         status_code=status,
     )
 
 
-async def validation_error(_request: Request, exc: Exception) -> ORJSONResponse:
+async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
     """422 naming each bad parameter and why, in one sentence a person can act on."""
     assert isinstance(exc, RequestValidationError)
     problems, params = [], []
@@ -29,7 +29,7 @@ async def validation_error(_request: Request, exc: Exception) -> ORJSONResponse:
                           "invalid_request_error", ",".join(params) or None)
 
 
-async def http_error(_request: Request, exc: Exception) -> ORJSONResponse:
+async def http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return error_response(exc.status_code, str(exc.detail), error_type)
