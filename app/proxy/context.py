@@ -9,6 +9,7 @@ import aiohttp
 from app.core.metrics import ProxyMetrics
 from app.core.records import RecordQueue
 from app.core.settings import Settings
+from app.proxy.exchange import IdleWatchdog
 from app.proxy.labels import ModelLabels
 
 
@@ -20,4 +21,6 @@ class ProxyContext:
     labels: ModelLabels
     records: RecordQueue
     upstream: str  # base URL, no trailing slash
+    watchdog: IdleWatchdog
+    passthrough_timeout: aiohttp.ClientTimeout
     in_flight: int = 0

@@ -40,6 +40,7 @@ from app.proxy.asgi import (
 )
 from app.proxy.context import ProxyContext
 from app.proxy.events import Kind, classify, strip_usage
+from app.proxy.exchange import Exchange
 from app.proxy.finish import finish
 from app.proxy.request_plan import RequestPlan, plan_request
 from app.proxy.sse import SSEDecoder, event_data
@@ -49,26 +50,6 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 _DONE_EVENT = b"data: [DONE]\n\n"
-
-
-class Relay:
-    """ASGI endpoint for one inference path; the shared state lives on `app.state.proxy`."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await relay(scope["app"].state.proxy, self.endpoint, scope, receive, send)
-
-
-class _Exchange:
-    """Per-request mutable state shared between the relay and its disconnect watcher."""
-
-    __slots__ = ("client_gone", "responded")
-
-    def __init__(self) -> None:
-        self.client_gone = False
-        self.responded = False
 
 
 async def relay(
@@ -117,9 +98,10 @@ async def _exchange(
     record: RequestRecord,
     timing: StreamTiming,
 ) -> None:
-    state = _Exchange()
     task = asyncio.current_task()
     assert task is not None
+    state = Exchange(task, timing.arrival_ns)
+    ctx.watchdog.watch(state)
 
     async def watch_disconnect() -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -138,7 +120,11 @@ async def _exchange(
             response = await ctx.session.post(
                 url, data=plan.body, headers=upstream_request_headers(scope, record.request_id)
             )
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if not state.timed_out:
+                    raise
+                task.uncancel()
             record.outcome = Outcome.TIMEOUT
             record.error = "upstream timed out before answering"
             state.responded = True
@@ -168,7 +154,8 @@ async def _exchange(
         record.outcome = Outcome.CANCELLED
     finally:
         watcher.cancel()
-        if response is not None and record.outcome is Outcome.CANCELLED:
+        ctx.watchdog.forget(state)
+        if response is not None and record.outcome in (Outcome.CANCELLED, Outcome.TIMEOUT):
             response.close()  # drop the upstream connection: the engine aborts the request
 
 
@@ -177,7 +164,7 @@ async def _relay_whole(
     response: aiohttp.ClientResponse,
     record: RequestRecord,
     timing: StreamTiming,
-    state: _Exchange,
+    state: Exchange,
 ) -> None:
     """A non-streamed answer or an error status: read it whole, forward it unchanged."""
     body = await response.read()
@@ -200,7 +187,7 @@ async def _relay_stream(
     plan: RequestPlan,
     record: RequestRecord,
     timing: StreamTiming,
-    state: _Exchange,
+    state: Exchange,
 ) -> None:
     headers = client_response_headers(response.raw_headers, record.request_id, None)
     await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -210,7 +197,7 @@ async def _relay_stream(
     done = False
     try:
         async for data in response.content.iter_any():
-            now = perf_counter_ns()
+            now = state.last_read_ns = perf_counter_ns()
             if not rewrite:
                 for raw in decoder.decode(data):
                     done = _note(raw, now, record, timing) is Kind.DONE or done
@@ -230,7 +217,10 @@ async def _relay_stream(
                 await send(
                     {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
                 )
-    except TimeoutError:
+    except asyncio.CancelledError:
+        if not state.timed_out:
+            raise
+        state.task.uncancel()
         record.outcome = Outcome.TIMEOUT
         record.error = "upstream went silent past the idle timeout"
     except aiohttp.ClientPayloadError as exc:

@@ -25,6 +25,14 @@ class SSEDecoder:
         buf = self._tail + chunk if self._tail else chunk
         events: list[bytes] = []
         start = 0
+        if b"\r" not in buf:  # LF-only, as vLLM and OpenAI send: plain searches, no regex
+            end = buf.find(b"\n\n")
+            while end >= 0:
+                events.append(buf[start:end + 2])
+                start = end + 2
+                end = buf.find(b"\n\n", start)
+            self._tail = buf[start:]
+            return events
         for match in _EVENT_END.finditer(buf):
             end = match.end()
             # A lone trailing "\r" may be the first half of a "\r\n" still in flight: wait for it.

@@ -18,13 +18,14 @@ def create_upstream_session(settings: Settings) -> aiohttp.ClientSession:
         ttl_dns_cache=60,
         keepalive_timeout=30,
     )
-    # No total timeout: a request may queue and prefill for minutes. `sock_read` bounds the
-    # silence between two reads (including the wait for response headers).
+    # No total timeout: a request may queue and prefill for minutes. The silence allowed
+    # between two reads is enforced by the relay's idle watchdog, not by `sock_read`, which
+    # would re-arm a timer on every chunk.
     timeout = aiohttp.ClientTimeout(
         total=None,
         connect=None,
         sock_connect=settings.upstream_connect_timeout_s,
-        sock_read=settings.upstream_idle_timeout_s,
+        sock_read=None,
     )
     return aiohttp.ClientSession(
         connector=connector,
