@@ -1,0 +1,671 @@
+"""Proxy overhead benchmark: what phasewatch adds to a stream, against direct and nginx.
+
+It starts three processes on loopback: a fast fake vLLM (`fast_upstream.py`, OpenAI-format SSE,
+one chunk every `--interval-ms`), phasewatch exactly as users run it (`python -m app.cli serve`,
+uvloop + httptools, `PHASEWATCH_LOG_LEVEL=warning`) and nginx (`proxy_buffering off`, HTTP/1.1
+upstream keepalive, one process; skipped with a note if nginx is not installed). Then, for each
+concurrency level and repeat, it runs the same open-loop Poisson schedule (`loadgen.py`, rate =
+concurrency / stream duration, so the steady state holds that many streams) against each path:
+direct to the upstream, through phasewatch, through nginx. The order of paths rotates between
+repeats so a slow drift of the machine does not always land on the same path.
+
+What it reports, per concurrency (medians over repeats; the machine is small and shared):
+- TTFT p50/p99 (send -> first content chunk) and chunk lag p50/p99 (upstream write stamp ->
+  client read, on the one CLOCK_MONOTONIC of the host) for each path;
+- added TTFT and added lag: percentile through the proxy minus the same percentile direct,
+  taken per repeat against the direct run of that repeat, then the median over repeats. A
+  difference of percentiles, not a percentile of per-request differences (requests are not
+  paired across runs); the lag is measured from the upstream's own stamp, so upstream pacing
+  jitter appears in both terms and cancels;
+- proxy CPU per relayed chunk: the proxy process's user+sys time from /proc/PID/stat over the
+  run, divided by the content chunks the clients received in that run (every request, warm-up
+  included). Per-request work (parsing the request, opening the upstream exchange, finishing the
+  record) is amortised over the chunks of a stream, and the closing usage/[DONE] events are not
+  counted as chunks: the figure is an upper bound on the cost per token chunk;
+- the upstream's and load generator's CPU, the generator's lateness against its schedule, and
+  the CPU that other processes used on the machine during each run, so noise is visible.
+
+Upstream, proxy and load generator all share the machine's cores: the figures are for this
+machine under that contention, not for a proxy with cores to itself.
+
+Run: `.venv/bin/python benchmarks/proxy_overhead.py [--concurrency 64 256] [--repeats 3]`;
+`--quick` is a smoke run of well under a minute. It installs nothing and writes only its JSON
+result (`--json`, by default under benchmarks/results/, which git ignores) and temp files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PATHS = ("direct", "phasewatch", "nginx")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# The issue's targets for this machine.
+TARGET_CPU_US_PER_CHUNK = 30.0
+TARGET_CONCURRENCY = 256
+TARGET_ADDED_TTFT_P99_MS = 5.0
+TARGET_ADDED_LAG_P99_MS = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cpu_ticks(self) -> tuple[int, int] | None:
+        """User and system CPU of the process (all its threads), in clock ticks."""
+        return proc_cpu_ticks(self.proc.pid)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def proc_cpu_ticks(pid: int) -> tuple[int, int] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name may hold spaces
+    return int(fields[11]), int(fields[12])  # utime, stime: fields 14 and 15 of stat
+
+
+def system_busy_ticks() -> tuple[int, int] | None:
+    """Busy CPU ticks of the whole machine (all cores), and of those the (soft)irq ticks.
+
+    Loopback networking runs largely in softirq context, which Linux charges to the machine
+    but not to the process that caused it: it is reported apart from other processes' load.
+    """
+    try:
+        line = Path("/proc/stat").read_text().splitlines()[0]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, line.split()[1:9])
+    return user + nice + system + irq + softirq + steal, irq + softirq
+
+
+def calibrate() -> dict[str, float]:
+    """CPU microseconds of two reference operations, to compare this machine with others.
+
+    docs' performance facts were measured where perf_counter_ns cost 0.05 us and orjson.loads
+    of a small chunk 0.5 us; a shared or throttled machine can be several times slower.
+    """
+    import orjson
+
+    chunk = (b'{"id":"cmpl-1-1","object":"text_completion","created":1,"model":"bench",'
+             b'"choices":[{"index":0,"text":" tok","logprobs":null,"finish_reason":null,'
+             b'"stop_reason":null}],"usage":{"prompt_tokens":16,"total_tokens":17,'
+             b'"completion_tokens":1}}')
+    out: dict[str, float] = {}
+    for name, fn, n in (("perf_counter_ns_us", time.perf_counter_ns, 200_000),
+                        ("orjson_loads_chunk_us", lambda: orjson.loads(chunk), 100_000)):
+        t0 = time.process_time()
+        for _ in range(n):
+            fn()
+        out[name] = (time.process_time() - t0) / n * 1e6
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_ready(server: Server, path: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(server.url + path, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.1)
+    raise RuntimeError(f"{server.name} did not become ready on {server.url}{path}:\n"
+                       f"{server.log_tail()}")
+
+
+def spawn(name: str, cmd: Sequence[str], tmp: Path, port: int,
+          env: dict[str, str] | None = None) -> Server:
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    return Server(name, proc, port, log)
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+def start_upstream(args: argparse.Namespace, tmp: Path) -> Server:
+    port = free_port()
+    server = spawn("upstream", [
+        sys.executable, str(HERE / "fast_upstream.py"), "--port", str(port),
+        "--interval-ms", str(args.interval_ms), "--first-delay-ms", str(args.first_delay_ms),
+        "--tokens", str(args.chunks),
+    ], tmp, port)
+    wait_ready(server, "/health")
+    return server
+
+
+def start_phasewatch(upstream: Server, tmp: Path) -> Server:
+    port = free_port()
+    env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning",
+           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / 'phasewatch.db'}"}
+    server = spawn("phasewatch", [
+        sys.executable, "-m", "app.cli", "serve", "--upstream", upstream.url, "--port", str(port),
+    ], tmp, port, env)
+    wait_ready(server, "/api/health")
+    return server
+
+
+def nginx_version(nginx: str) -> str:
+    out = subprocess.run([nginx, "-v"], capture_output=True, text=True, check=False)
+    return (out.stderr or out.stdout).strip().removeprefix("nginx version: ")
+
+
+def nginx_config(tmp: Path, port: int, upstream_port: int, nginx: str) -> str:
+    built = subprocess.run([nginx, "-V"], capture_output=True, text=True, check=False).stderr
+    # Point every temp path nginx was built with into our directory (not /var/lib/nginx).
+    temp_paths = "\n".join(
+        f"    {kind}_temp_path {tmp / ('nginx-' + kind)};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        if kind == "client_body" or f"--http-{kind}-temp-path" in built
+    )
+    return f"""
+daemon off;
+master_process off;  # one process: its CPU is the proxy's CPU
+worker_processes 1;
+pid {tmp / 'nginx.pid'};
+error_log {tmp / 'nginx-error.log'} warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+{temp_paths}
+    keepalive_requests 1000000;
+    upstream fast {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 1024;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://fast;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(nginx: str, upstream: Server, tmp: Path) -> Server:
+    port = free_port()
+    conf = tmp / "nginx.conf"
+    conf.write_text(nginx_config(tmp, port, upstream.port, nginx))
+    server = spawn("nginx", [
+        nginx, "-p", str(tmp), "-c", str(conf), "-e", str(tmp / "nginx-error.log"),
+    ], tmp, port)
+    wait_ready(server, "/health")
+    return server
+
+
+# ---------------------------------------------------------------------------------------------
+# One run: one schedule against one path
+
+
+@dataclass
+class Run:
+    path: str
+    concurrency: int
+    repeat: int
+    rate: float
+    scheduled: int
+    ok: int
+    measured: int
+    errors: dict[str, int]
+    content_chunks: int
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    lag_p50_ms: float | None
+    lag_p99_ms: float | None
+    wall_s: float
+    proxy_cpu_us_per_chunk: float | None  # None for the direct path
+    proxy_sys_us_per_chunk: float | None  # the kernel's share of it (socket reads and writes)
+    upstream_cpu_us_per_chunk: float | None
+    loadgen_busy_cores: float  # the generator's CPU over its active window / that window
+    loadgen_lateness_p99_ms: float | None
+    other_load_cores: float | None  # CPU used by processes outside this benchmark
+    irq_cores: float | None  # kernel (soft)irq time: mostly loopback networking, ours included
+    max_in_flight: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile_ms(samples: list[int], q: float) -> float | None:
+    """Nearest-rank percentile of nanosecond samples, in milliseconds."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    rank = max(0, min(len(ordered) - 1, int(q * len(ordered) + 0.999999) - 1))
+    return ordered[rank] / 1e6
+
+
+@contextmanager
+def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
+    """CPU seconds used by each server, waited children, and the whole machine in the block."""
+    out: dict[str, float | None] = {}
+    before = {s.name: s.cpu_ticks() for s in servers}
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0 = system_busy_ticks()
+    yield out
+    busy1 = system_busy_ticks()
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    for s in servers:
+        start, end = before[s.name], s.cpu_ticks()
+        if start is None or end is None:
+            out[s.name] = out[s.name + ".sys"] = None
+            continue
+        out[s.name] = (end[0] + end[1] - start[0] - start[1]) / CLK_TCK
+        out[s.name + ".sys"] = (end[1] - start[1]) / CLK_TCK
+    out["children"] = (children1.ru_utime - children0.ru_utime) + (
+        children1.ru_stime - children0.ru_stime)
+    if busy0 is not None and busy1 is not None:
+        out["machine"] = (busy1[0] - busy0[0]) / CLK_TCK
+        out["irq"] = (busy1[1] - busy0[1]) / CLK_TCK
+    else:
+        out["machine"] = out["irq"] = None
+
+
+def run_loadgen(args: argparse.Namespace, target: Server, rate: float, seed: int,
+                tmp: Path) -> dict[str, Any]:
+    """Run the schedule with `--loadgen-procs` shards starting together; merge their samples."""
+    start_at = time.monotonic_ns() + 1_500_000_000  # time for the shards to import and connect
+    drain = args.chunks * args.interval_ms / 1000 * 3 + args.first_delay_ms / 1000 + 10
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+    for shard in range(args.loadgen_procs):
+        out = tmp / f"loadgen-{shard}.json"
+        out.unlink(missing_ok=True)
+        cmd = [
+            sys.executable, str(HERE / "loadgen.py"), "--url", target.url,
+            "--endpoint", args.endpoint, "--client-usage", args.client_usage,
+            "--tokens", str(args.chunks), "--rate", str(rate), "--duration", str(args.duration),
+            "--warmup", str(args.warmup), "--seed", str(seed), "--shard", str(shard),
+            "--shards", str(args.loadgen_procs), "--start-at-ns", str(start_at),
+            "--drain-timeout", str(drain), "--out", str(out),
+        ]
+        procs.append((subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.DEVNULL), out))
+    merged: dict[str, Any] = {
+        "ttft_ns": [], "lag_ns": [], "lateness_ns": [], "errors": {}, "scheduled": 0,
+        "measured": 0, "ok": 0, "content_chunks": 0, "events": 0, "max_in_flight": 0,
+        "cpu_s": 0.0, "wall_s": 0.0,
+    }
+    for proc, out in procs:
+        if proc.wait() != 0 or not out.exists():
+            raise RuntimeError(
+                f"load generator failed against {target.name} (exit {proc.returncode})")
+        shard = json.loads(out.read_text())
+        for key in ("ttft_ns", "lag_ns", "lateness_ns"):
+            merged[key].extend(shard[key])
+        for key in ("scheduled", "measured", "ok", "content_chunks", "events", "max_in_flight",
+                    "cpu_s"):
+            merged[key] += shard[key]
+        merged["wall_s"] = max(merged["wall_s"], shard["wall_s"])
+        for name, count in shard["errors"].items():
+            merged["errors"][name] = merged["errors"].get(name, 0) + count
+    return merged
+
+
+def one_run(args: argparse.Namespace, path: str, target: Server, upstream: Server,
+            proxies: dict[str, Server], concurrency: int, repeat: int, rate: float,
+            tmp: Path) -> Run:
+    seed = args.seed * 1000 + repeat  # the same schedule for every path within a repeat
+    watched = [upstream, *proxies.values()]
+    with cpu_window(watched) as cpu:
+        result = run_loadgen(args, target, rate, seed, tmp)
+    chunks = result["content_chunks"]
+
+    def per_chunk_us(cpu_s: float | None) -> float | None:
+        return cpu_s / chunks * 1e6 if cpu_s is not None and chunks else None
+
+    wall = result["wall_s"] or 1.0
+    other = irq = None
+    window = wall + 1.5  # the whole CPU window, shard start-up included
+    if cpu["machine"] is not None and all(cpu[s.name] is not None for s in watched):
+        ours = sum(cpu[s.name] or 0.0 for s in watched) + (cpu["children"] or 0.0)
+        irq_s = cpu["irq"] or 0.0
+        other = max(0.0, (cpu["machine"] - ours - irq_s) / window)
+        irq = irq_s / window
+    return Run(
+        path=path, concurrency=concurrency, repeat=repeat, rate=rate,
+        scheduled=result["scheduled"], ok=result["ok"], measured=result["measured"],
+        errors=result["errors"], content_chunks=chunks,
+        ttft_p50_ms=percentile_ms(result["ttft_ns"], 0.50),
+        ttft_p99_ms=percentile_ms(result["ttft_ns"], 0.99),
+        lag_p50_ms=percentile_ms(result["lag_ns"], 0.50),
+        lag_p99_ms=percentile_ms(result["lag_ns"], 0.99),
+        wall_s=wall,
+        proxy_cpu_us_per_chunk=per_chunk_us(cpu[path]) if path in proxies else None,
+        proxy_sys_us_per_chunk=per_chunk_us(cpu[path + ".sys"]) if path in proxies else None,
+        upstream_cpu_us_per_chunk=per_chunk_us(cpu[upstream.name]),
+        loadgen_busy_cores=result["cpu_s"] / wall,
+        loadgen_lateness_p99_ms=percentile_ms(result["lateness_ns"], 0.99),
+        other_load_cores=other,
+        irq_cores=irq,
+        max_in_flight=result["max_in_flight"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "lag_p50_ms", "lag_p99_ms")
+
+
+def summarize(runs: list[Run], concurrency: int, paths: Sequence[str]) -> dict[str, Any]:
+    """Medians over repeats; `added` is the median of per-repeat (path - direct) differences."""
+    by = {(r.path, r.repeat): r for r in runs if r.concurrency == concurrency}
+    repeats = sorted({r.repeat for r in runs if r.concurrency == concurrency})
+    out: dict[str, Any] = {}
+    for path in paths:
+        mine = [by[(path, i)] for i in repeats if (path, i) in by]
+        entry: dict[str, Any] = {m: median([getattr(r, m) for r in mine]) for m in METRICS}
+        entry["proxy_cpu_us_per_chunk"] = median([r.proxy_cpu_us_per_chunk for r in mine])
+        entry["proxy_sys_us_per_chunk"] = median([r.proxy_sys_us_per_chunk for r in mine])
+        entry["upstream_cpu_us_per_chunk"] = median([r.upstream_cpu_us_per_chunk for r in mine])
+        entry["loadgen_busy_cores"] = median([r.loadgen_busy_cores for r in mine])
+        entry["loadgen_lateness_p99_ms"] = median([r.loadgen_lateness_p99_ms for r in mine])
+        entry["other_load_cores"] = median([r.other_load_cores for r in mine])
+        entry["irq_cores"] = median([r.irq_cores for r in mine])
+        entry["ok"] = sum(r.ok for r in mine)
+        entry["scheduled"] = sum(r.scheduled for r in mine)
+        entry["errors"] = sum(sum(r.errors.values()) for r in mine)
+        entry["measured_per_run"] = median([float(r.measured) for r in mine])
+        if path != "direct":
+            for m in METRICS:
+                diffs: list[float | None] = []
+                for i in repeats:
+                    a, b = by.get((path, i)), by.get(("direct", i))
+                    va = getattr(a, m) if a else None
+                    vb = getattr(b, m) if b else None
+                    diffs.append(va - vb if va is not None and vb is not None else None)
+                entry["added_" + m] = median(diffs)
+        out[path] = entry
+    return out
+
+
+def fmt(value: float | None, unit: str = "", sign: bool = False, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+    return text + unit
+
+
+def cpu_cell(entry: dict[str, Any]) -> str:
+    total, kernel = entry["proxy_cpu_us_per_chunk"], entry["proxy_sys_us_per_chunk"]
+    return "-" if total is None else f"{total:.1f} ({fmt(kernel, digits=1)})"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b <= 0:
+        return "-"
+    return f"{a / b:.1f}x"
+
+
+def print_level(concurrency: int, rate: float, summary: dict[str, Any],
+                paths: Sequence[str], loadgen_procs: int) -> None:
+    print(f"\n== {concurrency} concurrent streams ({rate:.1f} arrivals/s) ==")
+    head = f"{'path':<11}{'TTFT p50':>10}{'TTFT p99':>10}{'lag p50':>10}{'lag p99':>10}" \
+           f"{'CPU/chunk (sys)':>18}{'ok/sched':>13}{'errors':>8}"
+    print(head + "   (ms; CPU: us of the proxy process per content chunk, kernel part)")
+    for path in paths:
+        e = summary[path]
+        print(f"{path:<11}{fmt(e['ttft_p50_ms']):>10}{fmt(e['ttft_p99_ms']):>10}"
+              f"{fmt(e['lag_p50_ms']):>10}{fmt(e['lag_p99_ms']):>10}"
+              f"{cpu_cell(e):>18}"
+              f"{str(e['ok']) + '/' + str(e['scheduled']):>13}{e['errors']:>8}")
+    print("added vs direct (per repeat: percentile via proxy - same percentile direct; median):")
+    for path in paths:
+        if path == "direct":
+            continue
+        e = summary[path]
+        print(f"{path:<11}" + "".join(f"{fmt(e['added_' + m], sign=True):>10}" for m in METRICS))
+    d = summary["direct"]
+    pw = summary.get("phasewatch", {})
+    ng = summary.get("nginx")
+    print(f"baseline: upstream CPU {fmt(d['upstream_cpu_us_per_chunk'], ' us', digits=1)}/chunk; "
+          f"load generator {fmt(d['loadgen_busy_cores'])} cores busy, "
+          f"send lateness p99 {fmt(d['loadgen_lateness_p99_ms'])} ms")
+    print(f"machine: other processes used "
+          f"{fmt(median([summary[p]['other_load_cores'] for p in paths]))} cores, kernel "
+          f"softirq (loopback network) {fmt(median([summary[p]['irq_cores'] for p in paths]))} "
+          f"cores (medians over paths and repeats)")
+    if ng is not None:
+        print(f"phasewatch adds {fmt(pw['added_ttft_p99_ms'], ' ms', True)} TTFT p99 (nginx adds "
+              f"{fmt(ng['added_ttft_p99_ms'], ' ms', True)}), "
+              f"{fmt(pw['added_lag_p99_ms'], ' ms', True)} chunk lag p99 (nginx "
+              f"{fmt(ng['added_lag_p99_ms'], ' ms', True)})")
+        print(f"CPU/chunk: phasewatch {fmt(pw['proxy_cpu_us_per_chunk'], ' us', digits=1)} vs "
+              f"nginx {fmt(ng['proxy_cpu_us_per_chunk'], ' us', digits=1)} "
+              f"({ratio(pw['proxy_cpu_us_per_chunk'], ng['proxy_cpu_us_per_chunk'])}); "
+              f"upstream itself {fmt(d['upstream_cpu_us_per_chunk'], ' us', digits=1)}")
+    else:
+        print(f"phasewatch adds {fmt(pw['added_ttft_p99_ms'], ' ms', True)} TTFT p99, "
+              f"{fmt(pw['added_lag_p99_ms'], ' ms', True)} chunk lag p99; CPU/chunk "
+              f"{fmt(pw['proxy_cpu_us_per_chunk'], ' us', digits=1)} (nginx not measured)")
+    if (d["loadgen_busy_cores"] or 0) > 0.7 * loadgen_procs:
+        print("WARNING: the load generator is near a full core; try --loadgen-procs 2")
+    elif (d["loadgen_lateness_p99_ms"] or 0) > 5:
+        print("WARNING: requests went out late even on the direct path: the machine's cores "
+              "are saturated, so these figures include CPU queueing, not only proxy cost")
+
+
+def check_targets(summaries: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    checks: list[dict[str, Any]] = []
+    cpu = [s["phasewatch"]["proxy_cpu_us_per_chunk"] for s in summaries.values()]
+    worst = max((c for c in cpu if c is not None), default=None)
+    checks.append({"target": f"phasewatch CPU per chunk <= {TARGET_CPU_US_PER_CHUNK:g} us "
+                             "(worst concurrency)", "value": worst,
+                   "met": worst is not None and worst <= TARGET_CPU_US_PER_CHUNK})
+    at = summaries.get(TARGET_CONCURRENCY)
+    for key, limit, label in (
+        ("added_ttft_p99_ms", TARGET_ADDED_TTFT_P99_MS, "added TTFT p99"),
+        ("added_lag_p99_ms", TARGET_ADDED_LAG_P99_MS, "added chunk lag p99"),
+    ):
+        name = f"{label} < {limit:g} ms at {TARGET_CONCURRENCY} streams"
+        value = at["phasewatch"][key] if at else None
+        checks.append({"target": name, "value": value,
+                       "met": None if at is None else value is not None and value < limit})
+    return checks
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256],
+                   help="target concurrent streams (default: 64 256)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (default 3)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
+    p.add_argument("--warmup", type=float, default=2.0,
+                   help="arrivals in the first seconds of a run are not measured")
+    p.add_argument("--chunks", type=int, default=64, help="content chunks per stream")
+    p.add_argument("--interval-ms", type=float, default=20.0, help="time between chunks")
+    p.add_argument("--first-delay-ms", type=float, default=0.0,
+                   help="upstream delay before the first chunk (prefill stand-in)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--client-usage", choices=["none", "final", "continuous"], default="none",
+                   help="stream_options the clients send (none: phasewatch adds usage "
+                        "upstream and strips it, its most expensive path)")
+    p.add_argument("--loadgen-procs", type=int, default=1, help="load generator processes")
+    p.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx",
+                   help="nginx binary (the column is skipped if it is missing)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None,
+                   help="where to write results (default benchmarks/results/...json)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 16 streams, 1 repeat, 3 s per run")
+    p.add_argument("--fail-on-miss", action="store_true",
+                   help="exit 1 if a target that was measured is missed")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.repeats, args.duration, args.warmup = [16], 1, 3.0, 1.0
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:  # children inherit: room for the sockets
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
+                                                    else 65536, hard))
+    stream_s = args.first_delay_ms / 1000 + args.chunks * args.interval_ms / 1000
+    paths = list(PATHS)
+    nginx_note = ""
+    if not (os.path.isfile(args.nginx) and os.access(args.nginx, os.X_OK)):
+        paths.remove("nginx")
+        nginx_note = f"nginx not found at {args.nginx}: the nginx column is skipped"
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    runs: list[Run] = []
+    speed: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="phasewatch-bench-") as tmpname:
+        tmp = Path(tmpname)
+        servers: list[Server] = []
+        try:
+            upstream = start_upstream(args, tmp)
+            servers.append(upstream)
+            proxies = {"phasewatch": start_phasewatch(upstream, tmp)}
+            servers.append(proxies["phasewatch"])
+            if "nginx" in paths:
+                try:
+                    proxies["nginx"] = start_nginx(args.nginx, upstream, tmp)
+                    servers.append(proxies["nginx"])
+                    nginx_note = (f"nginx {nginx_version(args.nginx)} ({args.nginx}): "
+                                  "proxy_buffering off, HTTP/1.1 upstream keepalive, 1 process")
+                except RuntimeError as exc:
+                    paths.remove("nginx")
+                    nginx_note = f"nginx failed to start, column skipped: {exc}"
+            targets = {"direct": upstream, **proxies}
+            speed = calibrate()
+            print_header(args, stream_s, nginx_note, speed)
+            for concurrency in args.concurrency:
+                rate = concurrency / stream_s
+                for repeat in range(args.repeats):
+                    k = repeat % len(paths)
+                    for path in paths[k:] + paths[:k]:
+                        run = one_run(args, path, targets[path], upstream, proxies, concurrency,
+                                      repeat, rate, tmp)
+                        runs.append(run)
+                        print(f"  c={concurrency} repeat {repeat + 1}/{args.repeats} {path:<10} "
+                              f"TTFT p99 {fmt(run.ttft_p99_ms)} ms, lag p99 "
+                              f"{fmt(run.lag_p99_ms)} ms, CPU/chunk "
+                              f"{fmt(run.proxy_cpu_us_per_chunk, ' us', digits=1)}, "
+                              f"errors {sum(run.errors.values())}", flush=True)
+                        time.sleep(0.5)
+            for server in servers:
+                if server.proc.poll() is not None:
+                    print(f"WARNING: {server.name} exited during the benchmark:\n"
+                          f"{server.log_tail()}")
+        finally:
+            for server in reversed(servers):
+                stop(server)
+    summaries = {c: summarize(runs, c, paths) for c in args.concurrency}
+    for c in args.concurrency:
+        print_level(c, c / stream_s, summaries[c], paths, args.loadgen_procs)
+    checks = check_targets(summaries)
+    print("\ntargets:")
+    for check in checks:
+        verdict = {True: "MET", False: "MISSED", None: "not measured"}[check["met"]]
+        print(f"  {check['target']}: {verdict} ({fmt(check['value'])})")
+    out = args.json or HERE / "results" / f"proxy_overhead-{started.replace(':', '')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "started": started,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_after": os.getloadavg(), "nginx": nginx_note, "speed": speed,
+                    "note": "upstream, proxies and load generator share these cores"},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "stream_s": stream_s,
+        "runs": [asdict(r) for r in runs],
+        "summary": {str(c): s for c, s in summaries.items()},
+        "targets": checks,
+    }, indent=2))
+    print(f"\nresults written to {out}")
+    missed = any(check["met"] is False for check in checks)
+    return 1 if missed and args.fail_on_miss else 0
+
+
+def print_header(args: argparse.Namespace, stream_s: float, nginx_note: str,
+                 speed: dict[str, float]) -> None:
+    endpoint = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    print("phasewatch proxy overhead benchmark")
+    print(f"  streams: {args.chunks} content chunks, one every {args.interval_ms:g} ms, first "
+          f"after {args.first_delay_ms:g} ms ({stream_s:.2f} s), {endpoint}, "
+          f"client stream_options: {args.client_usage}")
+    if args.client_usage != "continuous":
+        print("  (phasewatch asks the upstream for continuous usage and strips what the client "
+              "did not ask for)")
+    print(f"  open-loop Poisson arrivals for {args.duration:g} s per run (first {args.warmup:g} s "
+          f"not measured), {args.repeats} repeat(s), medians over repeats; "
+          f"{args.loadgen_procs} load generator process(es)")
+    print(f"  {nginx_note or 'nginx: see below'}")
+    print(f"  NOTE: upstream, proxy and load generator all share this machine's "
+          f"{os.cpu_count()} CPU cores; load average now {os.getloadavg()[0]:.2f}")
+    print(f"  machine speed (CPU time): perf_counter_ns {speed['perf_counter_ns_us']:.2f} us, "
+          f"orjson.loads of a chunk {speed['orjson_loads_chunk_us']:.2f} us (0.05 and 0.5 us "
+          f"where docs' performance facts were measured)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
