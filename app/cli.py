@@ -6,8 +6,17 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from app.core.settings import SettingsError, load_settings
+from app.sim.cli import add_parser as add_sim_parser
+
+if TYPE_CHECKING:
+    from app.demo import StackOptions
+
+# The demo's simulator runs this many times slower than real time: at 64 streams, three
+# processes on two cores would otherwise add Python's per-chunk costs to the model's ITL.
+DEMO_TIME_SCALE = 2.0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -31,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, freeze_heap=True),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -74,6 +83,51 @@ def _db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stack_options(args: argparse.Namespace) -> StackOptions:
+    from app.demo import StackOptions
+
+    return StackOptions(
+        gpu=args.gpu, model=args.model, time_scale=args.time_scale,
+        sim_port=args.sim_port, proxy_port=args.proxy_port,
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from app.bench.article import DemoOptions
+    from app.demo import run_demo
+
+    return run_demo(_stack_options(args), DemoOptions())
+
+
+def _up(args: argparse.Namespace) -> int:
+    from app.demo import run_up
+
+    return run_up(_stack_options(args))
+
+
+def _add_stack_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    demo = commands.add_parser(
+        "demo", help="start the simulator and the proxy, run the article's two experiments "
+        "through the proxy, print the tables, stop",
+    )
+    up = commands.add_parser(
+        "up", help="serve the simulator and the proxy in front of it until Ctrl-C"
+    )
+    stacks = ((demo, DEMO_TIME_SCALE, 0, 0), (up, 1.0, 8000, 8080))
+    for parser, scale, sim_port, proxy_port in stacks:
+        parser.add_argument("--gpu", default="t4", help="simulator GPU preset (default t4)")
+        parser.add_argument("--model", default="qwen2.5-0.5b",
+                            help="simulator model preset (default qwen2.5-0.5b)")
+        parser.add_argument("--time-scale", type=float, default=scale,
+                            help=f"simulator's wall seconds per model second (default {scale:g})")
+        parser.add_argument("--sim-port", type=int, default=sim_port,
+                            help=f"simulator port (default {sim_port or 'a free one'})")
+        parser.add_argument("--proxy-port", type=int, default=proxy_port,
+                            help=f"proxy port (default {proxy_port or 'a free one'})")
+    demo.set_defaults(func=_demo)
+    up.set_defaults(func=_up)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phasewatch",
@@ -93,12 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     upgrade.add_argument("revision", nargs="?", default="head")
     db_actions.add_parser("current", help="show the schema revision")
     db.set_defaults(func=_db)
-    try:
-        from app.sim.cli import add_parser as add_sim_parser
-    except ImportError:  # the simulator is optional at this layer
-        pass
-    else:
-        add_sim_parser(commands)
+    add_sim_parser(commands)
+    _add_stack_parsers(commands)
     return parser
 
 

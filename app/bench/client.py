@@ -1,0 +1,136 @@
+"""A streaming client that times one request as its caller sees it (aiohttp, one clock).
+
+Clock: `time.perf_counter_ns()` throughout. `sent` is taken just before the request is handed
+to aiohttp; every read from the response body gets one stamp, and each SSE event completed by
+that read carries it. TTFT is sent -> the first event carrying output (completion `text`, or a
+chat delta's content / reasoning / tool calls: the role-only first chat chunk is not output).
+ITL gaps are the intervals between consecutive output-carrying events: one per chunk, so a
+chunk that carries several merged tokens gives one (longer) gap. Token counts come from the
+server's `usage` (the request should set `stream_options.include_usage`).
+
+Errors are counted, never timed: a non-2xx status, an in-band `data: {"error": ...}` event, a
+stream that ends without `data: [DONE]`, or a connection failure makes `ok` false and sets
+`error`. Nothing here aggregates; see `stats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter_ns
+from typing import Any
+
+import aiohttp
+import orjson
+
+_DONE = b"[DONE]"
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One request, timed on the client's clock (seconds)."""
+
+    ok: bool = False
+    status: int | None = None
+    error: str | None = None
+    request_id: str | None = None  # the response's x-request-id (phasewatch keeps the client's)
+    sent_ns: int = 0
+    ended_ns: int = 0
+    ttft_s: float | None = None  # sent -> first output-carrying event
+    gaps_s: list[float] = field(default_factory=list)  # between output-carrying events
+    output_events: int = 0
+    prompt_tokens: int | None = None  # from usage
+    output_tokens: int | None = None  # from usage
+
+    @property
+    def e2e_s(self) -> float:
+        """sent -> the last read of the response."""
+        return (self.ended_ns - self.sent_ns) / 1e9
+
+
+def carries_output(chunk: dict[str, Any]) -> bool:
+    """Whether a completion or chat chunk carries generated output (not a role or usage)."""
+    for choice in chunk.get("choices") or ():
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta") or {}
+        if (
+            delta.get("content")
+            or delta.get("reasoning_content")
+            or delta.get("reasoning")
+            or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
+class _Events:
+    """Splits a byte stream into SSE `data:` payloads (events end with a blank line)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data.replace(b"\r\n", b"\n")
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        payloads = []
+        for event in events:
+            lines = [line[5:].lstrip(b" ") for line in event.split(b"\n")
+                     if line.startswith(b"data:")]
+            if lines:
+                payloads.append(b"\n".join(lines))
+        return payloads
+
+
+async def stream_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> RequestResult:
+    """POST a streaming request to `url` and time it. Never raises for server or network errors."""
+    result = RequestResult()
+    last_output_ns: int | None = None
+    done = False
+    result.sent_ns = perf_counter_ns()
+    try:
+        async with session.post(url, data=orjson.dumps(body), headers={
+            "content-type": "application/json", **(headers or {})
+        }) as response:
+            result.status = response.status
+            result.request_id = response.headers.get("x-request-id")
+            if response.status != 200:
+                await response.read()
+                result.error = f"http {response.status}"
+                return result
+            events = _Events()
+            async for data in response.content.iter_any():
+                now = perf_counter_ns()
+                for payload in events.feed(data):
+                    if payload == _DONE:
+                        done = True
+                        continue
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        kind = error.get("type") if isinstance(error, dict) else None
+                        result.error = f"in-band error ({kind or 'unknown'})"
+                        continue
+                    if usage := chunk.get("usage"):
+                        result.prompt_tokens = usage.get("prompt_tokens")
+                        result.output_tokens = usage.get("completion_tokens")
+                    if not carries_output(chunk):
+                        continue
+                    result.output_events += 1
+                    if last_output_ns is None:
+                        result.ttft_s = (now - result.sent_ns) / 1e9
+                    else:
+                        result.gaps_s.append((now - last_output_ns) / 1e9)
+                    last_output_ns = now
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        result.ended_ns = perf_counter_ns()
+    if result.error is None and not done:
+        result.error = "stream ended without [DONE]"
+    result.ok = result.error is None
+    return result
