@@ -82,15 +82,20 @@ class Settings(BaseSettings):
         return str(self.upstream_url).rstrip("/")
 
 
+def describe(exc: ValidationError, prefix: str) -> str:
+    """One sentence per bad setting, named by its environment variable."""
+    problems = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "?"
+        problems.append(
+            f"{prefix}{field.upper()}={error.get('input')!r} is invalid: {error['msg']}"
+        )
+    return "; ".join(problems)
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Build Settings from the environment (and overrides), or raise SettingsError saying why."""
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            field = str(error["loc"][0]) if error["loc"] else "?"
-            problems.append(
-                f"{ENV_PREFIX}{field.upper()}={error.get('input')!r} is invalid: {error['msg']}"
-            )
-        raise SettingsError("; ".join(problems)) from None
+        raise SettingsError(describe(exc, ENV_PREFIX)) from None

@@ -18,12 +18,11 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.sim.api import router
-from app.sim.config import ResolvedConfig, SimSettings, load_sim_settings, resolve
+from app.sim.config import ResolvedConfig, SimSettings, load_sim_settings, resolve, scheduler_for
 from app.sim.engine import Engine, ModelClock
 from app.sim.faults import Fault, parse_fault
 from app.sim.metrics import SimMetrics
 from app.sim.protocol import ServedModel
-from app.sim.scheduler import Scheduler, SchedulerConfig
 from app.sim.tokenizer import Tokenizer
 
 log = logging.getLogger("phasewatch.sim")
@@ -102,16 +101,7 @@ def create_sim_app(settings: SimSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = CollectorRegistry()
         metrics = SimMetrics(registry, config.served_model_name)
-        scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                num_kv_blocks=config.num_kv_blocks,
-                block_size=config.block_size,
-            ),
-            config.cost_model,
-        )
+        scheduler = scheduler_for(config)
         engine = Engine(
             scheduler,
             ModelClock(config.time_scale),

@@ -15,7 +15,9 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.settings import describe
 from app.sim.costmodel import CostModel, Hardware, ModelShape
+from app.sim.scheduler import Scheduler, SchedulerConfig
 
 ENV_PREFIX = "PHASEWATCH_SIM_"
 GiB = 1024**3
@@ -231,13 +233,7 @@ def load_sim_settings(**overrides: Any) -> SimSettings:
     try:
         return SimSettings(**overrides)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            field = str(error["loc"][0]) if error["loc"] else "?"
-            problems.append(
-                f"{ENV_PREFIX}{field.upper()}={error.get('input')!r} is invalid: {error['msg']}"
-            )
-        raise SimConfigError("; ".join(problems)) from None
+        raise SimConfigError(describe(exc, ENV_PREFIX)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,4 +369,18 @@ def resolve(settings: SimSettings) -> ResolvedConfig:
         request_overhead_s=pick(settings.request_overhead_ms, gpu.request_overhead_ms) / 1e3,
         time_scale=settings.time_scale,
         vocab_size=model.vocab_size,
+    )
+
+
+def scheduler_for(config: ResolvedConfig) -> Scheduler:
+    """A fresh scheduler with this configuration's limits and cost model."""
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            num_kv_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+        ),
+        config.cost_model,
     )

@@ -13,8 +13,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from app.sim.config import ResolvedConfig
-from app.sim.scheduler import Scheduler, SchedulerConfig
+from app.sim.config import ResolvedConfig, scheduler_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,19 +45,6 @@ class Trace:
     @property
     def e2e(self) -> float:
         return self.token_times[-1] - self.arrival
-
-
-def scheduler_for(config: ResolvedConfig) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            num_kv_blocks=config.num_kv_blocks,
-            block_size=config.block_size,
-        ),
-        config.cost_model,
-    )
 
 
 def simulate(config: ResolvedConfig, arrivals: Iterable[Arrival]) -> dict[str, Trace]:
