@@ -125,22 +125,50 @@ async def window_stats(
 ) -> list[GroupStats]:
     f = RequestFilter(since=until - window, until=until, model=model, run_id=run_id)
     result = await session.execute(_filtered(select(*_COLUMNS), f))
-    groups: dict[str | None, list[Any]] = defaultdict(list)
-    for row in result.all():
-        key = None if by == "none" else (row.model if by == "model" else row.endpoint)
-        groups[key].append(row)
+    key = {"model": 0, "endpoint": 1}.get(by)
+    groups: dict[str | None, list[tuple[Any, ...]]] = defaultdict(list)
+    for row in result:
+        values = tuple(row)  # a plain tuple: index access is far cheaper than a Row's
+        name = values[key] if key is not None else None
+        groups[name if isinstance(name, str) else None].append(values)
     seconds = window.total_seconds()
-    return [aggregate(key, rows, seconds) for key, rows in sorted(
-        groups.items(), key=lambda item: item[0] or "")]
+    return [aggregate(name, rows, seconds)
+            for name, rows in sorted(groups.items(), key=lambda item: item[0] or "")]
 
 
-def aggregate(group: str | None, rows: Sequence[Any], seconds: float) -> GroupStats:
-    """Pure arithmetic over one group's rows (objects with the `_COLUMNS` attributes)."""
-    ok = [r for r in rows if r.outcome == "ok"]
-    ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
-    with_itl = [r for r in rows if r.itl_count and r.itl_mean_s is not None]
-    gaps = sum(r.itl_count for r in with_itl)
-    in_flight = [r.in_flight_at_arrival for r in rows]
+def aggregate(group: str | None, rows: Sequence[tuple[Any, ...]], seconds: float) -> GroupStats:
+    """Pure arithmetic over one group's rows: tuples of the `_COLUMNS` values, in that order."""
+    ttfts: list[float] = []
+    itl_p50s: list[float] = []
+    itl_p95s: list[float] = []
+    tpots: list[float] = []
+    e2es: list[float] = []
+    prompts: list[float] = []
+    in_flight: list[int] = []
+    ok = gaps = output_ok = prompt_ok = 0
+    gap_time = 0.0
+    for (_model, _endpoint, outcome, ttft, itl_count, itl_mean, itl_p50, itl_p95, tpot, e2e,
+         prompt_tokens, output_tokens, flight) in rows:
+        in_flight.append(flight)
+        if ttft is not None:
+            ttfts.append(ttft)
+        if prompt_tokens is not None:
+            prompts.append(prompt_tokens)
+        if itl_count and itl_mean is not None:
+            gaps += itl_count
+            gap_time += itl_mean * itl_count
+            if itl_p50 is not None:
+                itl_p50s.append(itl_p50)
+            if itl_p95 is not None:
+                itl_p95s.append(itl_p95)
+        if outcome == "ok":
+            ok += 1
+            output_ok += output_tokens or 0
+            prompt_ok += prompt_tokens or 0
+            if tpot is not None:
+                tpots.append(tpot)
+            if e2e is not None:
+                e2es.append(e2e)
     names = ("p50", "p90", "p95", "p99")
 
     def named(values: list[float]) -> dict[str, float | None]:
@@ -152,17 +180,17 @@ def aggregate(group: str | None, rows: Sequence[Any], seconds: float) -> GroupSt
     return GroupStats(
         group=group,
         requests=len(rows),
-        errors=len(rows) - len(ok),
+        errors=len(rows) - ok,
         request_rate_rps=len(rows) / seconds,
         ttft_s=named(ttfts),
-        itl_mean_s=(sum(r.itl_mean_s * r.itl_count for r in with_itl) / gaps) if gaps else None,
-        itl_p50_s=named([r.itl_p50_s for r in with_itl if r.itl_p50_s is not None]),
-        itl_p95_s=named([r.itl_p95_s for r in with_itl if r.itl_p95_s is not None]),
-        tpot_p50_s=p50([r.tpot_s for r in ok if r.tpot_s is not None]),
-        e2e_p50_s=p50([r.e2e_s for r in ok if r.e2e_s is not None]),
-        prompt_tokens_p50=p50([r.prompt_tokens for r in rows if r.prompt_tokens is not None]),
-        output_throughput_tps=sum(r.output_tokens or 0 for r in ok) / seconds,
-        prompt_throughput_tps=sum(r.prompt_tokens or 0 for r in ok) / seconds,
+        itl_mean_s=gap_time / gaps if gaps else None,
+        itl_p50_s=named(itl_p50s),
+        itl_p95_s=named(itl_p95s),
+        tpot_p50_s=p50(tpots),
+        e2e_p50_s=p50(e2es),
+        prompt_tokens_p50=p50(prompts),
+        output_throughput_tps=output_ok / seconds,
+        prompt_throughput_tps=prompt_ok / seconds,
         in_flight_mean=(sum(in_flight) / len(in_flight)) if in_flight else None,
         in_flight_max=max(in_flight) if in_flight else None,
     )
