@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-_DONE = b"[DONE]"
+from app.core.events import Kind, classify
+from app.core.sse import SSEDecoder, event_data
 
 
 @dataclass(slots=True)
@@ -47,40 +48,6 @@ class RequestResult:
         return (self.ended_ns - self.sent_ns) / 1e9
 
 
-def carries_output(chunk: dict[str, Any]) -> bool:
-    """Whether a completion or chat chunk carries generated output (not a role or usage)."""
-    for choice in chunk.get("choices") or ():
-        if choice.get("text"):
-            return True
-        delta = choice.get("delta") or {}
-        if (
-            delta.get("content")
-            or delta.get("reasoning_content")
-            or delta.get("reasoning")
-            or delta.get("tool_calls")
-        ):
-            return True
-    return False
-
-
-class _Events:
-    """Splits a byte stream into SSE `data:` payloads (events end with a blank line)."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buffer += data.replace(b"\r\n", b"\n")
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        payloads = []
-        for event in events:
-            lines = [line[5:].lstrip(b" ") for line in event.split(b"\n")
-                     if line.startswith(b"data:")]
-            if lines:
-                payloads.append(b"\n".join(lines))
-        return payloads
-
-
 async def stream_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -102,23 +69,24 @@ async def stream_request(
                 await response.read()
                 result.error = f"http {response.status}"
                 return result
-            events = _Events()
+            decoder = SSEDecoder()
             async for data in response.content.iter_any():
                 now = perf_counter_ns()
-                for payload in events.feed(data):
-                    if payload == _DONE:
+                for raw in decoder.decode(data):
+                    payload = event_data(raw)
+                    if payload is None:
+                        continue
+                    info = classify(payload)
+                    if info.kind is Kind.DONE:
                         done = True
                         continue
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk:
-                        error = chunk["error"]
-                        kind = error.get("type") if isinstance(error, dict) else None
-                        result.error = f"in-band error ({kind or 'unknown'})"
+                    if info.kind is Kind.ERROR:
+                        result.error = "in-band error"
                         continue
-                    if usage := chunk.get("usage"):
-                        result.prompt_tokens = usage.get("prompt_tokens")
-                        result.output_tokens = usage.get("completion_tokens")
-                    if not carries_output(chunk):
+                    if info.has_usage:
+                        result.prompt_tokens = info.prompt_tokens
+                        result.output_tokens = info.completion_tokens
+                    if info.kind is not Kind.OUTPUT:
                         continue
                     result.output_events += 1
                     if last_output_ns is None:
@@ -126,7 +94,7 @@ async def stream_request(
                     else:
                         result.gaps_s.append((now - last_output_ns) / 1e9)
                     last_output_ns = now
-    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         result.ended_ns = perf_counter_ns()

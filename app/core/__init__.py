@@ -1,1 +1,2 @@
-"""Shared foundations: settings and metrics. Imports nothing from the other app packages."""
+"""Shared foundations: settings, metrics, records, the database engine and the OpenAI stream
+format (SSE splitting, event meaning). Imports nothing from the other app packages."""

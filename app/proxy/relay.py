@@ -22,7 +22,9 @@ from time import perf_counter_ns
 import aiohttp
 import orjson
 
+from app.core.events import Kind, classify, strip_usage
 from app.core.records import Outcome, RequestRecord
+from app.core.sse import SSEDecoder, event_data
 from app.proxy.asgi import (
     REQUEST_ID,
     RUN_ID,
@@ -39,11 +41,9 @@ from app.proxy.asgi import (
     upstream_request_headers,
 )
 from app.proxy.context import ProxyContext
-from app.proxy.events import Kind, classify, strip_usage
 from app.proxy.exchange import Exchange
 from app.proxy.finish import finish
 from app.proxy.request_plan import RequestPlan, plan_request
-from app.proxy.sse import SSEDecoder, event_data
 from app.proxy.timing import StreamTiming
 
 log = logging.getLogger(__name__)

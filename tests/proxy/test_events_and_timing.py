@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from app.proxy.events import Kind, classify, strip_usage
+from app.core.events import Kind, classify, strip_usage
 from app.proxy.request_plan import plan_request
 from app.proxy.timing import NS, StreamTiming, figures, summarize
 

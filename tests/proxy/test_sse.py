@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from app.proxy.sse import SSEDecoder, event_data
+from app.core.sse import SSEDecoder, event_data
 
 LF_STREAM = (
     b'data: {"choices":[{"text":"a"}]}\n\n'
