@@ -12,6 +12,7 @@ import asyncio
 import bisect
 import logging
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -32,14 +33,22 @@ def floor_minute(moment: datetime) -> datetime:
     return moment.replace(second=0, microsecond=0)
 
 
-def rollup_rows(rows: list[Any]) -> list[dict[str, Any]]:
-    """Pure: sum raw rows (with started_at and the figures) per minute/model/endpoint/outcome."""
+ROLLUP_COLUMNS = (
+    RequestRow.started_at, RequestRow.model, RequestRow.endpoint, RequestRow.outcome,
+    RequestRow.ttft_s, RequestRow.e2e_s, RequestRow.itl_count, RequestRow.itl_mean_s,
+    RequestRow.prompt_tokens, RequestRow.output_tokens,
+)
+
+
+def rollup_rows(rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
+    """Pure: sum raw rows (ROLLUP_COLUMNS values, in order) per minute/model/endpoint/outcome."""
     sums: dict[tuple[datetime, str, str, str], dict[str, Any]] = {}
     buckets: dict[tuple[datetime, str, str, str], list[int]] = defaultdict(
         lambda: [0] * (len(TTFT_BUCKETS) + 1)
     )
-    for r in rows:
-        key = (floor_minute(r.started_at), r.model or "", r.endpoint, r.outcome)
+    for (started_at, model, endpoint, outcome, ttft_s, e2e_s, itl_count, itl_mean_s,
+         prompt_tokens, output_tokens) in rows:
+        key = (floor_minute(started_at), model or "", endpoint, outcome)
         s = sums.get(key)
         if s is None:
             s = sums[key] = {
@@ -48,16 +57,16 @@ def rollup_rows(rows: list[Any]) -> list[dict[str, Any]]:
                 "itl_count": 0, "itl_sum_s": 0.0, "prompt_tokens": 0, "output_tokens": 0,
             }
         s["requests"] += 1
-        if r.ttft_s is not None:
+        if ttft_s is not None:
             s["ttft_count"] += 1
-            s["ttft_sum_s"] += r.ttft_s
-            buckets[key][bisect.bisect_left(TTFT_BUCKETS, r.ttft_s)] += 1
-        s["e2e_sum_s"] += r.e2e_s or 0.0
-        if r.itl_count and r.itl_mean_s is not None:
-            s["itl_count"] += r.itl_count
-            s["itl_sum_s"] += r.itl_mean_s * r.itl_count
-        s["prompt_tokens"] += r.prompt_tokens or 0
-        s["output_tokens"] += r.output_tokens or 0
+            s["ttft_sum_s"] += ttft_s
+            buckets[key][bisect.bisect_left(TTFT_BUCKETS, ttft_s)] += 1
+        s["e2e_sum_s"] += e2e_s or 0.0
+        if itl_count and itl_mean_s is not None:
+            s["itl_count"] += itl_count
+            s["itl_sum_s"] += itl_mean_s * itl_count
+        s["prompt_tokens"] += prompt_tokens or 0
+        s["output_tokens"] += output_tokens or 0
     for key, s in sums.items():
         s["ttft_buckets"] = buckets[key]
     return list(sums.values())
@@ -84,13 +93,10 @@ async def roll_up(engine: AsyncEngine, now: datetime) -> int:
         stop = min(end, start + ROLLUP_SPAN)
         async with engine.begin() as connection:
             result = await connection.execute(
-                select(RequestRow.started_at, RequestRow.model, RequestRow.endpoint,
-                       RequestRow.outcome, RequestRow.ttft_s, RequestRow.e2e_s,
-                       RequestRow.itl_count, RequestRow.itl_mean_s, RequestRow.prompt_tokens,
-                       RequestRow.output_tokens)
+                select(*ROLLUP_COLUMNS)
                 .where(RequestRow.started_at >= start, RequestRow.started_at < stop)
             )
-            rollups = rollup_rows(list(result.all()))
+            rollups = rollup_rows(tuple(row) for row in result)  # tuples: cheap to unpack
             if rollups:
                 await connection.execute(insert(RequestRollup), rollups)
             written += len(rollups)

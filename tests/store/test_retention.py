@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,9 +32,10 @@ def row(at: datetime, **figures: Any) -> dict[str, Any]:
 
 def test_rollup_arithmetic_is_pure_and_exact() -> None:
     minute = datetime(2026, 1, 1, 0, 0, tzinfo=UTC)
-    rows = [SimpleNamespace(**row(minute + timedelta(seconds=s), ttft_s=t))
-            for s, t in ((1, 0.1), (2, 0.3), (59, None))]
-    rows.append(SimpleNamespace(**row(minute + timedelta(seconds=61))))
+    seconds_ttft = ((1, 0.1), (2, 0.3), (59, None))
+    raw = [row(minute + timedelta(seconds=s), ttft_s=t) for s, t in seconds_ttft]
+    raw.append(row(minute + timedelta(seconds=61)))
+    rows = [tuple(r[c.key] for c in retention.ROLLUP_COLUMNS) for r in raw]
     out = {r["minute"]: r for r in rollup_rows(rows)}
     first = out[minute]
     assert first["requests"] == 3 and first["ttft_count"] == 2
