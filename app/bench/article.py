@@ -196,7 +196,8 @@ def render(run: ArticleRun, options: DemoOptions) -> str:
     lines.append(
         "throughput = output tokens / wall-clock span of the step (first send -> last byte)"
         + (f", x {scale:g}" if scale != 1 else "")
-        + f". Stored runs: {options.run_prefix}-prompt-N, {options.run_prefix}-concurrency-N."
+        + f". Requests carry run ids {options.run_prefix}-prompt-N and"
+        + f" {options.run_prefix}-concurrency-N (GET /api/requests?run_id=...)."
     )
     return "\n".join(lines)
 
