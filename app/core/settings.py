@@ -6,12 +6,13 @@ environment anywhere else. A bad value fails at startup with a sentence naming t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "PHASEWATCH_"
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 
 class SettingsError(ValueError):
@@ -57,15 +58,7 @@ class Settings(BaseSettings):
     retention_days: float = Field(default=14.0, ge=0)
     retention_interval_s: float = Field(default=300.0, gt=0)
 
-    log_level: str = "info"
-
-    @field_validator("log_level")
-    @classmethod
-    def _known_level(cls, value: str) -> str:
-        levels = {"critical", "error", "warning", "info", "debug"}
-        if value.lower() not in levels:
-            raise ValueError(f"must be one of {', '.join(sorted(levels))}")
-        return value.lower()
+    log_level: LogLevel = "info"
 
     @field_validator("database_url")
     @classmethod
