@@ -1,0 +1,35 @@
+"""The benchmark scripts still run end to end (their --quick modes). No figure is asserted here:
+speed is judged by running the scripts themselves, not by timed tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(script: str, tmp_path: Path, *args: str) -> dict[str, object]:
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return dict(json.loads(out.read_text()))
+
+
+def test_proxy_overhead_quick(tmp_path: Path) -> None:
+    result = run("proxy_overhead.py", tmp_path)
+    text = json.dumps(result)
+    assert "phasewatch" in text and "direct" in text
+
+
+def test_store_scale_quick(tmp_path: Path) -> None:
+    result = run("store_scale.py", tmp_path)
+    writer, stats = result["writer"], result["stats"]
+    assert isinstance(writer, list) and {row["backend"] for row in writer} == {"sqlite", "postgres"}
+    assert all(row["dropped"] == 0 for row in writer)
+    assert isinstance(stats, list) and all(row["rows"] == 50_000 for row in stats)
