@@ -32,7 +32,14 @@ MAX_BACKOFF_S = 5.0
 
 
 COLUMNS = tuple(field.name for field in fields(RequestRecord))
-_STARTED, _OUTCOME, _ERROR = (COLUMNS.index(n) for n in ("started_at", "outcome", "error"))
+_STARTED, _OUTCOME = COLUMNS.index("started_at"), COLUMNS.index("outcome")
+# Text that comes from clients (headers, the request's model) is cut to its column's length:
+# Postgres would refuse the whole batch for one over-long value, and retry it forever.
+_LIMITS = [
+    (COLUMNS.index(column.name), length)
+    for column in RequestRow.__table__.columns
+    if column.name in COLUMNS and (length := getattr(column.type, "length", None))
+]
 # How SQLAlchemy's SQLite dialect stores a DATETIME (UTC, no zone): rows written here must read
 # back through the ORM exactly like rows it wrote.
 _SQLITE_DATETIME = "%Y-%m-%d %H:%M:%S.%f"
@@ -44,8 +51,10 @@ def record_row(record: RequestRecord) -> list[Any]:
     """The record's values in COLUMNS order, as the table stores them."""
     row = [getattr(record, name) for name in COLUMNS]
     row[_OUTCOME] = record.outcome.value
-    if record.error is not None:
-        row[_ERROR] = record.error[:200]
+    for index, length in _LIMITS:
+        value = row[index]
+        if value is not None and len(value) > length:
+            row[index] = value[:length]
     return row
 
 

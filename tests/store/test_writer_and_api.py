@@ -65,6 +65,17 @@ def test_every_record_is_stored_with_its_figures(filled: Proxy) -> None:
     assert filled.sample("phasewatch_records_written_total") == 20
 
 
+def test_over_long_client_text_is_cut_not_a_poison_batch(
+    make_proxy: Any, scripted_url: str, database_url: str
+) -> None:
+    proxy = make_proxy(scripted_url, database_url=database_url)
+    send(proxy, "m" * 400, FAST, run_id="r" * 300, request_id="q" * 500)
+    send(proxy, "alpha", FAST, request_id="after")
+    rows = wait_stored(proxy, 2)
+    assert [len(rows[0][k]) for k in ("model", "run_id", "request_id")] == [255, 64, 128]
+    assert rows[1]["request_id"] == "after"
+
+
 def test_filters_and_keyset_pagination(filled: Proxy) -> None:
     assert len(filled.stored(model="beta")) == 8
     assert len(filled.stored(model="beta", outcome="http_error")) == 3
