@@ -105,6 +105,11 @@ class ProxyMetrics:
             "Request records stored in the database.",
             registry=registry,
         )
+        self.records_rejected = Counter(
+            "phasewatch_records_rejected",
+            "Request records the database refused (invalid data); the rest of their batch is kept.",
+            registry=registry,
+        )
         self.record_write_failures = Counter(
             "phasewatch_record_write_failures",
             "Failed attempts to store a batch of records (the batch is retried).",

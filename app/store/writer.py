@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from dataclasses import fields
 from datetime import UTC
@@ -56,6 +57,16 @@ def record_row(record: RequestRecord) -> list[Any]:
         if value is not None and len(value) > length:
             row[index] = value[:length]
     return row
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """The database refused the values themselves (SQLSTATE class 22 data exception or 23
+    integrity violation, or SQLite's equivalents): retrying the same rows can never succeed."""
+    sqlstate = getattr(exc, "sqlstate", None) or getattr(getattr(exc, "orig", None), "sqlstate",
+                                                          None)
+    if isinstance(sqlstate, str) and sqlstate[:2] in ("22", "23"):
+        return True
+    return isinstance(exc, sqlite3.DataError | sqlite3.IntegrityError)
 
 
 async def insert_rows(connection: AsyncConnection, rows: list[list[Any]]) -> None:
@@ -124,8 +135,11 @@ class RecordWriter:
         try:
             async with self._engine.begin() as connection:
                 await insert_rows(connection, rows)
-        except Exception as exc:  # any database fault: keep the batch, retry later
+        except Exception as exc:  # any database fault: keep the batch, retry later...
             self._metrics.record_write_failures.inc()
+            if is_data_error(exc):  # ...unless the database refused the data itself
+                await self._write_one_by_one(rows)
+                return True
             if self._failing_since is None:
                 self._failing_since = time.monotonic()
                 log.warning("cannot store records (%s: %s); retrying, %d queued",
@@ -138,6 +152,23 @@ class RecordWriter:
         self._metrics.records_written.inc(len(rows))
         self._batch = []
         return True
+
+    async def _write_one_by_one(self, rows: list[list[Any]]) -> None:
+        """Store what the database accepts; reject (count, log) the rows it refuses."""
+        written = 0
+        for row in rows:
+            try:
+                async with self._engine.begin() as connection:
+                    await insert_rows(connection, [row])
+                written += 1
+            except Exception as exc:
+                if not is_data_error(exc):
+                    raise
+                self._metrics.records_rejected.inc()
+                log.warning("record refused by the database (%s: %s)", type(exc).__name__,
+                            str(exc)[:200])
+        self._metrics.records_written.inc(written)
+        self._batch = []
 
     async def flush(self, timeout_s: float) -> int:
         """Store everything queued, giving up after `timeout_s`. Returns records left unstored."""

@@ -76,6 +76,19 @@ def test_over_long_client_text_is_cut_not_a_poison_batch(
     assert rows[1]["request_id"] == "after"
 
 
+def test_a_record_the_database_refuses_is_rejected_alone(
+    make_proxy: Any, scripted_url: str, database_url: str
+) -> None:
+    proxy = make_proxy(scripted_url, database_url=database_url, writer_flush_interval_s=0.5)
+    send(proxy, "alpha", FAST, request_id="before")
+    send(proxy, "bad\u0000name", FAST, request_id="nul")  # Postgres text cannot hold NUL
+    send(proxy, "alpha", FAST, request_id="after")
+    expected = {"before", "after"} if "postgresql" in database_url else {"before", "nul", "after"}
+    rows = wait_stored(proxy, len(expected))
+    assert {r["request_id"] for r in rows} == expected
+    assert proxy.sample("phasewatch_records_rejected_total") == 3 - len(expected)
+
+
 def test_filters_and_keyset_pagination(filled: Proxy) -> None:
     assert len(filled.stored(model="beta")) == 8
     assert len(filled.stored(model="beta", outcome="http_error")) == 3
