@@ -195,13 +195,18 @@ async def _relay_stream(
     rewrite = plan.strip_final_usage or plan.strip_chunk_usage
     keep_null = endpoint == "completions"  # see events.strip_usage
     done = False
+    # True while the relay waits in a send: a stall there is the client's (it stopped reading,
+    # and back-pressure silenced the upstream), not the upstream's.
+    sending = False
     try:
         async for data in response.content.iter_any():
             now = state.last_read_ns = perf_counter_ns()
             if not rewrite:
                 for raw in decoder.decode(data):
                     done = _note(raw, now, record, timing) is Kind.DONE or done
+                sending = True
                 await send({"type": "http.response.body", "body": data, "more_body": True})
+                sending = False
                 continue
             parts: list[bytes] = []
             for raw in decoder.decode(data):
@@ -214,13 +219,23 @@ async def _relay_stream(
                     raw = strip_usage(raw, keep_null)
                 parts.append(raw)
             if parts:
+                sending = True
                 await send(
                     {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
                 )
+                sending = False
     except asyncio.CancelledError:
         if not state.timed_out:
             raise
         state.task.uncancel()
+        if sending:
+            # Another send would block the same way: end the exchange without one (the server
+            # closes the connection of a response left incomplete).
+            record.outcome = Outcome.CANCELLED
+            record.error = "client stopped reading past the idle timeout"
+            timing.end_ns = perf_counter_ns()
+            state.responded = True
+            return
         record.outcome = Outcome.TIMEOUT
         record.error = "upstream went silent past the idle timeout"
     except aiohttp.ClientPayloadError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import uuid
 from typing import Any
@@ -140,3 +141,29 @@ async def test_client_leaving_during_a_long_prefill_aborts_it(proxy: Proxy,
     assert upstream_log(scripted_url, request_id)["disconnected"]
     record = await asyncio.to_thread(proxy.next_record)
     assert record.outcome == "cancelled" and not record.stream
+
+
+def test_client_that_stops_reading_is_not_blamed_on_the_upstream(make_proxy: Any,
+                                                                 scripted_url: str) -> None:
+    """A client that keeps its connection open but stops reading blocks the relay in its send.
+
+    The upstream goes quiet only because of that back-pressure; the watchdog must end the
+    exchange as the client's doing, and must not then block again sending an error tail.
+    """
+    proxy = make_proxy(scripted_url, upstream_idle_timeout_s=0.5)
+    script = {"tokens": [[0.01, "x", 1]] * 400, "pad": 65536}  # 26 MB: more than any buffer
+    body = orjson.dumps({"model": "scripted", "prompt": "x", "stream": True})
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + b"x-script: " + orjson.dumps(script) + b"\r\ncontent-length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    port = int(proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(request)
+        sock.recv(1024)  # the response has started; now read nothing more
+        record = proxy.next_record(timeout=10)
+    assert record.outcome == "cancelled"
+    assert record.error == "client stopped reading past the idle timeout"
+    assert record.ttft_s is not None

@@ -9,7 +9,8 @@ client went away) is served at `GET /_log/{x-request-id}`. Run it as
 Script keys: `tokens` [[t_s, text, n_tokens], ...]; `role` (chat role chunk first, default
 true); `role_at` (s); `prompt_tokens`; `status` and `delay` (an error status, sent after
 `delay` s); `error_at` (in-band error then [DONE]); `drop_at` (close the connection mid-stream);
-`split` (write every event in two pieces, 5 ms apart); `done` (send [DONE], default true).
+`split` (write every event in two pieces, 5 ms apart); `done` (send [DONE], default true);
+`pad` (repeat each token's text this many times, for streams bigger than any buffer).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if disconnected.is_set():
                 return
             count += n
-            await emit(_chunk(endpoint, model, text, False,
+            await emit(_chunk(endpoint, model, text * script.get("pad", 1), False,
                               usage_for(count) if continuous else None, True))
         else:
             await emit(_chunk(endpoint, model, "", False, usage_for(count) if continuous else None,
