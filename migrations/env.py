@@ -1,6 +1,8 @@
 """Alembic environment: async engine, batch mode on SQLite, models' metadata as the target.
 
 The URL comes from the Alembic config; `phasewatch db upgrade` sets it from the settings.
+On Postgres, migrations hold an advisory lock for their transaction, so replicas that start
+together on one database migrate it once: the others wait, then find the schema at head.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from app.core.db import create_engine
@@ -15,6 +18,9 @@ from app.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
+
+# Any fixed 64-bit key: phasewatch's own, for "a migration is running on this database".
+MIGRATION_LOCK_KEY = 0x7068_6173_6577_6174  # "phasewat"
 
 
 def _configure(connection: Connection | None = None, url: str | None = None) -> None:
@@ -38,6 +44,10 @@ def run_migrations_offline() -> None:
 def _run_sync(connection: Connection) -> None:
     _configure(connection=connection)
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Taken before Alembic reads the current revision, released at commit.
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                               {"key": MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

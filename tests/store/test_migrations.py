@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -16,6 +17,7 @@ from sqlalchemy.engine import Connection
 from app.core.db import create_engine
 from app.store.migrate import SchemaError, head_revision, prepare_schema, schema_state, upgrade
 from app.store.models import Base
+from tests.support.databases import postgres_database
 
 
 async def _diff(url: str) -> list[object]:
@@ -104,3 +106,17 @@ def test_db_command_upgrades_and_reports(database_url: str) -> None:
     after = subprocess.run([*run, "upgrade"], env=env, capture_output=True, text=True,
                            timeout=60, check=True)
     assert f"revision {head_revision()}" in after.stdout and "up to date" in after.stdout
+
+
+def test_replicas_starting_together_on_an_empty_postgres_all_migrate() -> None:
+    """Several replicas (processes) upgrading one empty database at once: one migrates, the
+    others wait for it and find the schema at head, and none fails."""
+    with postgres_database(f"pw_{uuid.uuid4().hex[:12]}") as url:
+        script = "import sys; from app.store.migrate import upgrade; upgrade(sys.argv[1])"
+        replicas = [subprocess.Popen([sys.executable, "-c", script, url],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                    for _ in range(4)]
+        outputs = [(p.wait(timeout=120), p.stdout.read().decode() if p.stdout else "")
+                   for p in replicas]
+        assert [code for code, _ in outputs] == [0] * 4, outputs
+        assert asyncio.run(_diff(url)) == []
