@@ -13,7 +13,7 @@ from time import perf_counter_ns
 
 
 class Exchange:
-    __slots__ = ("client_gone", "last_read_ns", "responded", "task", "timed_out")
+    __slots__ = ("answered", "client_gone", "last_read_ns", "responded", "task", "timed_out")
 
     def __init__(self, task: asyncio.Task[object], now_ns: int) -> None:
         self.task = task
@@ -21,6 +21,7 @@ class Exchange:
         self.client_gone = False  # the client disconnected: cancelled by the disconnect watcher
         self.timed_out = False  # the upstream went silent: cancelled by the watchdog
         self.responded = False  # the response to the client is complete (or being completed)
+        self.answered = False  # [DONE] was forwarded: a client leaving now cancels nothing
 
 
 class IdleWatchdog:

@@ -106,7 +106,7 @@ async def _exchange(
     async def watch_disconnect() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not state.responded:
+        if not (state.responded or state.answered):
             state.client_gone = True
             task.cancel()
 
@@ -207,6 +207,8 @@ async def _relay_stream(
                 sending = True
                 await send({"type": "http.response.body", "body": data, "more_body": True})
                 sending = False
+                if done and not state.answered:
+                    _answered(state, timing, now)
                 continue
             parts: list[bytes] = []
             for raw in decoder.decode(data):
@@ -224,6 +226,8 @@ async def _relay_stream(
                     {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
                 )
                 sending = False
+            if done and not state.answered:
+                _answered(state, timing, now)
     except asyncio.CancelledError:
         if not state.timed_out:
             raise
@@ -236,15 +240,18 @@ async def _relay_stream(
             timing.end_ns = perf_counter_ns()
             state.responded = True
             return
-        record.outcome = Outcome.TIMEOUT
-        record.error = "upstream went silent past the idle timeout"
+        if not done:  # after [DONE] the client has its whole answer: a lingering body is moot
+            record.outcome = Outcome.TIMEOUT
+            record.error = "upstream went silent past the idle timeout"
     except aiohttp.ClientPayloadError as exc:
-        record.outcome = Outcome.STREAM_ERROR
-        record.error = f"upstream stream broke: {type(exc).__name__}"
-    timing.end_ns = perf_counter_ns()
+        if not done:
+            record.outcome = Outcome.STREAM_ERROR
+            record.error = f"upstream stream broke: {type(exc).__name__}"
+    end_ns = timing.end_ns if state.answered and timing.end_ns else perf_counter_ns()
+    timing.end_ns = end_ns
     unterminated = decoder.flush()  # a last event without its blank line, or a broken one
     for raw in unterminated:
-        done = _note(raw, timing.end_ns, record, timing) is Kind.DONE or done
+        done = _note(raw, end_ns, record, timing) is Kind.DONE or done
         if rewrite:
             await send({"type": "http.response.body", "body": raw, "more_body": True})
     tail = b""
@@ -259,6 +266,16 @@ async def _relay_stream(
         tail = (b"\n\n" if unterminated else b"") + b"data: " + error + b"\n\n" + _DONE_EVENT
     state.responded = True
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _answered(state: Exchange, timing: StreamTiming, now: int) -> None:
+    """[DONE] has been forwarded: the exchange is complete as the client sees it.
+
+    The upstream may end its body a moment later, and a client may close at [DONE] (the openai
+    SDK does) before then; neither makes the request cancelled or longer.
+    """
+    state.answered = True
+    timing.end_ns = now
 
 
 def _note(raw: bytes, now: int, record: RequestRecord, timing: StreamTiming) -> Kind | None:

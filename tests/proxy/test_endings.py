@@ -167,3 +167,19 @@ def test_client_that_stops_reading_is_not_blamed_on_the_upstream(make_proxy: Any
     assert record.outcome == "cancelled"
     assert record.error == "client stopped reading past the idle timeout"
     assert record.ttft_s is not None
+
+
+async def test_a_client_closing_right_after_done_leaves_an_ok_record(proxy: Proxy) -> None:
+    """Clients (the openai SDK among them) close at [DONE], which can reach the proxy before the
+    upstream ends its body: the exchange was complete, so it is `ok`, not `cancelled`."""
+    script = {"tokens": [[0.02, "a", 1], [0.04, "b", 1]], "linger": 0.5}
+    async with httpx.AsyncClient(timeout=10) as client:
+        async with client.stream("POST", proxy.url + "/v1/completions",
+                                 json={"model": "scripted", "prompt": "x", "stream": True},
+                                 headers=headers(script)) as response:
+            async for data in response.aiter_raw():
+                if data.endswith(b"data: [DONE]\n\n"):
+                    break
+    record = await asyncio.to_thread(proxy.next_record)
+    assert record.outcome == "ok" and record.output_tokens == 2
+    assert record.e2e_s < 0.4  # the stream ended at [DONE], not when the upstream let go

@@ -10,7 +10,8 @@ Script keys: `tokens` [[t_s, text, n_tokens], ...]; `role` (chat role chunk firs
 true); `role_at` (s); `prompt_tokens`; `status` and `delay` (an error status, sent after
 `delay` s); `error_at` (in-band error then [DONE]); `drop_at` (close the connection mid-stream);
 `split` (write every event in two pieces, 5 ms apart); `done` (send [DONE], default true);
-`pad` (repeat each token's text this many times, for streams bigger than any buffer).
+`pad` (repeat each token's text this many times, for streams bigger than any buffer);
+`linger` (s to wait after [DONE] before ending the body, as an engine may).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                 await emit(final)
             if script.get("done", True):
                 await emit(b"[DONE]")
+        if script.get("linger"):
+            await asyncio.sleep(script["linger"])
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         watcher.cancel()
