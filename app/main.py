@@ -1,7 +1,8 @@
 """The application factory: `create_app(settings)` wires the proxy together. Nothing at import time.
 
 The lifespan builds the database engine (checking the schema), the record writer, retention and
-idle-watchdog tasks, the upstream client and the metrics. A small pure-ASGI dispatcher sends the
+idle-watchdog tasks, the upstream client and the metrics, and the diagnosis (its schedule and
+the engine-metrics scraper, docs/diagnosis.md). A small pure-ASGI dispatcher sends the
 two timed inference paths straight to the relay and everything that is not phasewatch's own
 (`/metrics`, `/api/...`, the OpenAPI docs) to the pass-through; only the latter reach FastAPI.
 Keeping the hot path out of FastAPI's middleware stack saves about 15% of the CPU per relayed
@@ -26,6 +27,7 @@ from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 
 from app import __version__
+from app.api import diagnosis as diagnosis_api
 from app.api import requests as requests_api
 from app.api import runs as runs_api
 from app.api import stats as stats_api
@@ -34,6 +36,10 @@ from app.core.db import create_engine, create_sessionmaker
 from app.core.metrics import ProxyMetrics
 from app.core.records import RecordQueue
 from app.core.settings import Settings
+from app.diagnosis.metrics import DiagnosisMetrics
+from app.diagnosis.service import DiagnosisService
+from app.engine.metrics import EngineScrapeMetrics
+from app.engine.scraper import EngineScraper
 from app.proxy.asgi import Receive, Scope, Send
 from app.proxy.context import ProxyContext
 from app.proxy.exchange import IdleWatchdog
@@ -122,6 +128,20 @@ def create_app(
                 run_retention(engine, retention, settings.retention_interval_s), name="retention"
             ),
         ]
+        # Diagnosis: the engine's own metrics (when scraped) corroborate what the records show.
+        scraper = None
+        if settings.engine_metrics_target is not None:
+            scraper = EngineScraper(
+                settings.engine_metrics_target, settings.engine_scrape_interval_s,
+                settings.engine_scrape_timeout_s,
+                keep_s=settings.diagnosis_window_s + settings.diagnosis_baseline_s + 60,
+                metrics=EngineScrapeMetrics(registry),
+            )
+            tasks.append(asyncio.create_task(scraper.run(), name="engine-scraper"))
+        app.state.diagnosis = DiagnosisService(
+            app.state.sessionmaker, settings, scraper, DiagnosisMetrics(registry))
+        if settings.diagnosis_interval_s > 0:
+            tasks.append(asyncio.create_task(app.state.diagnosis.run(), name="diagnosis"))
         if freeze_heap:
             gc.collect()
             gc.freeze()
@@ -141,7 +161,7 @@ def create_app(
     app.state.registry = registry
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
-    for router in (requests_api.router, runs_api.router, stats_api.router):
+    for router in (requests_api.router, runs_api.router, stats_api.router, diagnosis_api.router):
         app.include_router(router)
 
     @app.get("/metrics", include_in_schema=False)

@@ -58,6 +58,24 @@ class Settings(BaseSettings):
     retention_days: float = Field(default=14.0, ge=0)
     retention_interval_s: float = Field(default=300.0, gt=0)
 
+    # Diagnosis (docs/diagnosis.md): every `diagnosis_interval_s`, each active model's last
+    # `diagnosis_window_s` is judged against the `diagnosis_baseline_s` before it; the verdict
+    # is exported as metrics and each change is stored. 0 turns the schedule off (the API
+    # still answers).
+    diagnosis_interval_s: float = Field(default=30.0, ge=0)
+    diagnosis_window_s: float = Field(default=300.0, gt=0)
+    diagnosis_baseline_s: float = Field(default=3600.0, gt=0)
+    # Timed requests each side needs before anything is judged (else "insufficient data").
+    diagnosis_min_samples: int = Field(default=20, ge=5)
+    # Requests read per span at most; a larger span is evenly thinned to this many.
+    diagnosis_max_samples: int = Field(default=3000, ge=100)
+    # The engine's own Prometheus metrics (vLLM's /metrics), read to corroborate a diagnosis.
+    # Default: the upstream's /metrics; engine_metrics_enabled=false turns scraping off.
+    engine_metrics_url: AnyHttpUrl | None = None
+    engine_metrics_enabled: bool = True
+    engine_scrape_interval_s: float = Field(default=15.0, gt=0)
+    engine_scrape_timeout_s: float = Field(default=5.0, gt=0)
+
     log_level: LogLevel = "info"
 
     @field_validator("database_url")
@@ -73,6 +91,15 @@ class Settings(BaseSettings):
     def upstream_base(self) -> str:
         """The upstream URL without a trailing slash, ready for path joining."""
         return str(self.upstream_url).rstrip("/")
+
+    @property
+    def engine_metrics_target(self) -> str | None:
+        """Where the engine's metrics are scraped; None when scraping is off."""
+        if not self.engine_metrics_enabled:
+            return None
+        if self.engine_metrics_url is not None:
+            return str(self.engine_metrics_url)
+        return self.upstream_base + "/metrics"
 
 
 def describe(exc: ValidationError, prefix: str) -> str:

@@ -1,0 +1,113 @@
+"""`GET /api/diagnosis` and `GET /api/diagnosis/history`: thin routers over the diagnosis
+service and its stored verdict changes. Method: docs/diagnosis.md."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.api.deps import db_session, parse_duration, row_dict, utc
+from app.api.errors import error_response
+from app.diagnosis.service import (
+    Baseline,
+    DiagnosisService,
+    PreviousSpan,
+    RunBaseline,
+    TimeRange,
+    UnknownRun,
+)
+from app.store.diagnoses import list_diagnoses
+
+router = APIRouter()
+
+BASELINE_FORMS = ("a duration right before the window (1h), an ISO 8601 range "
+                  "(2026-01-01T10:00:00Z/2026-01-01T11:00:00Z), or run:<run id>")
+
+
+def _moment(text: str) -> datetime:
+    moment = utc(datetime.fromisoformat(text.strip().replace("Z", "+00:00")))
+    assert moment is not None
+    return moment
+
+
+def parse_baseline(text: str | None, default_s: float) -> Baseline:
+    """The `baseline` parameter; ValueError naming the accepted forms otherwise."""
+    if text is None or text.strip() in ("", "previous"):
+        return PreviousSpan(default_s)
+    text = text.strip()
+    if text.startswith("run:"):
+        if not text[4:]:
+            raise ValueError("run: needs a run id")
+        return RunBaseline(text[4:])
+    if "/" in text:
+        start, end = text.split("/", 1)
+        try:
+            since, until = _moment(start), _moment(end)
+        except ValueError:
+            raise ValueError(BASELINE_FORMS) from None
+        if since >= until:
+            raise ValueError("the range must start before it ends")
+        return TimeRange(since, until)
+    try:
+        return PreviousSpan(parse_duration(text).total_seconds())
+    except ValueError:
+        raise ValueError(BASELINE_FORMS) from None
+
+
+def _invalid(param: str, problem: str, value: str | None) -> JSONResponse:
+    return error_response(422, f"invalid parameters: {param}: {problem} (got {value!r})",
+                          "invalid_request_error", param)
+
+
+@router.get("/api/diagnosis", response_model=None)
+async def diagnosis(
+    request: Request,
+    model: str | None = None,
+    window: str = "5m",
+    baseline: str | None = None,
+    until: datetime | None = None,
+    min_samples: Annotated[int | None, Query(ge=5, le=1_000_000)] = None,
+) -> dict[str, Any] | JSONResponse:
+    """One model's verdict (`model` given), or `{"items": [...]}` for every model with
+    requests in the window or its baseline."""
+    service: DiagnosisService = request.app.state.diagnosis
+    try:
+        span = parse_duration(window)
+    except ValueError as exc:
+        return _invalid("window", str(exc), window)
+    try:
+        spec = parse_baseline(baseline, service.settings.diagnosis_baseline_s)
+    except ValueError as exc:
+        return _invalid("baseline", str(exc), baseline)
+    end = utc(until) or datetime.now(UTC)
+    try:
+        if model is not None:
+            return await service.diagnose(model, end, span, spec, min_samples)
+        models = await service.models(end, span, spec)
+        return {"items": [await service.diagnose(m, end, span, spec, min_samples)
+                          for m in models]}
+    except UnknownRun as exc:
+        return _invalid("baseline", str(exc), baseline)
+
+
+@router.get("/api/diagnosis/history")
+async def history(
+    session: Annotated[AsyncSession, Depends(db_session)],
+    model: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[int | None, Query(ge=1)] = None,
+) -> dict[str, Any]:
+    """Stored changes of verdict (from the schedule), newest first, each with its evidence."""
+    rows, next_cursor = await list_diagnoses(session, model, limit, cursor)
+    items = []
+    for row in rows:
+        item = row_dict(row)
+        report = item.pop("evidence") or {}
+        item.update({key: report.get(key) for key in
+                     ("summary", "meaning", "actions", "window", "evidence")})
+        items.append(item)
+    return {"items": items, "next_cursor": next_cursor}

@@ -1,0 +1,43 @@
+"""The current verdict per model as Prometheus metrics, on an injected registry.
+
+`phasewatch_diagnosis_verdict{model, verdict}` is 1 for the model's current verdict and 0 for
+the seven others (every label value is always present once a model has been judged, so an
+alert can match `== 1` without `absent()` games); `phasewatch_diagnosis_confidence{model}` is
+that verdict's confidence, 0-1 (0 for insufficient data). Models are those the scheduled
+evaluation judges, at most `max_model_labels` of the busiest.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from app.diagnosis.verdicts import Verdict
+
+
+class DiagnosisMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.verdict = Gauge(
+            "phasewatch_diagnosis_verdict",
+            "1 for the model's current diagnosis verdict, 0 for the others.",
+            ("model", "verdict"), registry=registry,
+        )
+        self.confidence = Gauge(
+            "phasewatch_diagnosis_confidence",
+            "Confidence of the model's current diagnosis verdict, 0-1.",
+            ("model",), registry=registry,
+        )
+        self.evaluations = Counter(
+            "phasewatch_diagnosis_evaluations",
+            "Scheduled diagnosis evaluations (one per model per round).",
+            registry=registry,
+        )
+        self.failures = Counter(
+            "phasewatch_diagnosis_evaluation_failures",
+            "Scheduled diagnosis evaluations that failed (database or evaluation error).",
+            registry=registry,
+        )
+
+    def set(self, model: str, verdict: Verdict, confidence: float) -> None:
+        for each in Verdict:
+            self.verdict.labels(model, each.value).set(1.0 if each is verdict else 0.0)
+        self.confidence.labels(model).set(confidence)

@@ -1,0 +1,233 @@
+"""The shell around the pure diagnosis: it reads, runs the core off the event loop, keeps the
+schedule, the history and the gauges. The only module of the package that does I/O.
+
+`DiagnosisService.diagnose` answers one model for one window and baseline (the API calls it);
+`run` evaluates every active model every `diagnosis_interval_s` with the default window and
+baseline, sets `phasewatch_diagnosis_verdict` / `_confidence`, and stores each change of a
+model's verdict with its evidence. Any fault (database, engine, evaluation) is logged and
+counted and the schedule goes on; nothing here touches the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from app.core.settings import Settings
+from app.diagnosis.diagnose import Finding, Rules, diagnose
+from app.diagnosis.metrics import DiagnosisMetrics
+from app.diagnosis.observations import Observation, Sample
+from app.diagnosis.verdicts import Verdict
+from app.engine.scraper import EngineScraper
+from app.store.diagnoses import (
+    RequestSpan,
+    active_models,
+    add_diagnosis,
+    latest_verdicts,
+    read_observations,
+    run_request_count,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PreviousSpan:
+    """The `seconds` right before the window."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TimeRange:
+    since: datetime
+    until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunBaseline:
+    """The requests a stored run sent through phasewatch (`x-phasewatch-run-id`)."""
+
+    run_id: str
+
+
+Baseline = PreviousSpan | TimeRange | RunBaseline
+
+
+class UnknownRun(LookupError):
+    """No stored request carries this run id."""
+
+
+def to_observation(row: tuple[Any, ...]) -> Observation:
+    """An `app.store.diagnoses.OBSERVATION_COLUMNS` row as the core's input."""
+    (started_at, outcome, ttft_s, e2e_s, itl_count, itl_p50_s, itl_max_s, prompt_tokens,
+     in_flight) = row
+    return Observation(
+        started_s=started_at.timestamp(), ok=outcome == "ok", ttft_s=ttft_s, e2e_s=e2e_s,
+        itl_count=itl_count or 0, itl_p50_s=itl_p50_s, itl_max_s=itl_max_s,
+        prompt_tokens=prompt_tokens, in_flight=in_flight or 0,
+    )
+
+
+def _sample(span: RequestSpan, seconds: float) -> Sample:
+    return Sample([to_observation(row) for row in span.rows], seconds, span.total)
+
+
+def _run_seconds(span: RequestSpan) -> float:
+    """A run's span for its request rate: first to last arrival, widened by one mean gap
+    (n arrivals mark n - 1 gaps)."""
+    if span.first is None or span.last is None or span.total < 2:
+        return 0.0
+    covered = (span.last - span.first).total_seconds()
+    return covered * span.total / (span.total - 1)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat()
+
+
+class DiagnosisService:
+    def __init__(
+        self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
+        scraper: EngineScraper | None = None, metrics: DiagnosisMetrics | None = None,
+    ) -> None:
+        self.sessionmaker = sessionmaker
+        self.settings = settings
+        self.scraper = scraper
+        self.metrics = metrics
+        self.rules = Rules(min_samples=settings.diagnosis_min_samples)
+        self._stored: dict[str, str] | None = None  # last stored verdict per model
+        self._judged: list[str] = []  # models the schedule has exported
+
+    async def models(self, until: datetime, window: timedelta, baseline: Baseline) -> list[str]:
+        """Models with requests in the window or a previous-span baseline, busiest first."""
+        since = until - window
+        if isinstance(baseline, PreviousSpan):
+            since -= timedelta(seconds=baseline.seconds)
+        async with self.sessionmaker() as session:
+            return await active_models(session, since, until, self.settings.max_model_labels)
+
+    async def diagnose(
+        self, model: str, until: datetime, window: timedelta, baseline: Baseline,
+        min_samples: int | None = None,
+    ) -> dict[str, Any]:
+        """One model's diagnosis as a JSON-ready report. Raises UnknownRun for a run baseline
+        no stored request carries."""
+        since = until - window
+        limit = self.settings.diagnosis_max_samples
+        async with self.sessionmaker() as session:
+            current = await read_observations(session, model=model, since=since, until=until,
+                                              limit=limit)
+            if isinstance(baseline, PreviousSpan):
+                b_since = since - timedelta(seconds=baseline.seconds)
+                span = await read_observations(session, model=model, since=b_since,
+                                               until=since, limit=limit)
+                reference = _sample(span, baseline.seconds)
+                described: dict[str, Any] = {
+                    "kind": "previous", "since": _iso(b_since), "until": _iso(since),
+                    "seconds": baseline.seconds}
+            elif isinstance(baseline, TimeRange):
+                span = await read_observations(session, model=model, since=baseline.since,
+                                               until=baseline.until, limit=limit)
+                seconds = (baseline.until - baseline.since).total_seconds()
+                reference = _sample(span, seconds)
+                described = {"kind": "range", "since": _iso(baseline.since),
+                             "until": _iso(baseline.until), "seconds": seconds}
+            else:
+                if await run_request_count(session, baseline.run_id) == 0:
+                    raise UnknownRun(f"no stored request carries run id {baseline.run_id!r}")
+                span = await read_observations(session, model=model, run_id=baseline.run_id,
+                                               limit=limit)
+                reference = _sample(span, _run_seconds(span))
+                described = {"kind": "run", "run_id": baseline.run_id,
+                             "since": _iso(span.first), "until": _iso(span.last),
+                             "seconds": reference.span_s}
+        engine = (None if self.scraper is None
+                  else self.scraper.window(since.timestamp(), until.timestamp(), model))
+        rules = self.rules if min_samples is None else replace(self.rules,
+                                                                min_samples=min_samples)
+        finding: Finding = await asyncio.to_thread(
+            diagnose, _sample(current, window.total_seconds()), reference, engine, rules)
+        return {
+            "model": model,
+            "window": {"since": _iso(since), "until": _iso(until),
+                       "seconds": window.total_seconds()},
+            "baseline": described,
+            **finding.as_dict(),
+            "engine_metrics": None if self.scraper is None else {
+                "url": self.scraper.url, "up": self.scraper.up,
+                "in_window": engine is not None},
+        }
+
+    async def run(self) -> None:
+        """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled."""
+        while True:
+            try:
+                await self.evaluate_all()
+            except Exception as exc:
+                log.warning("diagnosis round failed (%s: %s)", type(exc).__name__,
+                            str(exc)[:200])
+                if self.metrics is not None:
+                    self.metrics.failures.inc()
+            await asyncio.sleep(self.settings.diagnosis_interval_s)
+
+    async def evaluate_all(self, now: datetime | None = None) -> dict[str, str]:
+        """One round: every active model (and every model exported before) with the default
+        window and baseline. Returns model -> verdict for the models judged."""
+        now = now or datetime.now(UTC)
+        window = timedelta(seconds=self.settings.diagnosis_window_s)
+        baseline = PreviousSpan(self.settings.diagnosis_baseline_s)
+        models = await self.models(now, window, baseline)
+        for model in self._judged:
+            if model not in models:
+                models.append(model)
+        models = models[: self.settings.max_model_labels]
+        if self._stored is None:
+            async with self.sessionmaker() as session:
+                self._stored = await latest_verdicts(session)
+        judged: dict[str, str] = {}
+        for model in models:
+            try:
+                report = await self.diagnose(model, now, window, baseline)
+            except Exception as exc:
+                log.warning("diagnosis of %r failed (%s: %s)", model, type(exc).__name__,
+                            str(exc)[:200])
+                if self.metrics is not None:
+                    self.metrics.failures.inc()
+                continue
+            verdict, confidence = report["verdict"], report["confidence"]
+            judged[model] = verdict
+            if model not in self._judged and len(self._judged) < self.settings.max_model_labels:
+                self._judged.append(model)
+            if self.metrics is not None:
+                self.metrics.evaluations.inc()
+                self.metrics.set(model, Verdict(verdict), confidence)
+            if self._stored.get(model) != verdict:
+                await self._store_change(model, now, report)
+        return judged
+
+    async def _store_change(self, model: str, now: datetime, report: dict[str, Any]) -> None:
+        assert self._stored is not None
+        previous = self._stored.get(model)
+        try:
+            async with self.sessionmaker() as session:
+                await add_diagnosis(
+                    session, at=now, model=model, window_s=report["window"]["seconds"],
+                    baseline=f"previous {report['baseline']['seconds']:g}s",
+                    verdict=report["verdict"], confidence=report["confidence"],
+                    evidence=report,
+                )
+        except Exception as exc:  # retried on the next round: _stored is left as it was
+            log.warning("storing the diagnosis of %r failed (%s: %s)", model,
+                        type(exc).__name__, str(exc)[:200])
+            if self.metrics is not None:
+                self.metrics.failures.inc()
+            return
+        self._stored[model] = report["verdict"]
+        log.info("diagnosis of %r: %s -> %s (confidence %.2f): %s", model, previous or "none",
+                 report["verdict"], report["confidence"], report["summary"])

@@ -1,0 +1,19 @@
+"""The scraper's own Prometheus metrics, on an injected registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class EngineScrapeMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.up = Gauge(
+            "phasewatch_engine_scrape_up",
+            "1 if the last scrape of the engine's /metrics succeeded, else 0.",
+            registry=registry,
+        )
+        self.failures = Counter(
+            "phasewatch_engine_scrape_failures",
+            "Scrapes of the engine's /metrics that failed (unreachable, non-200, timeout).",
+            registry=registry,
+        )

@@ -1,0 +1,119 @@
+"""Reads for the diagnosis (requests of a span, runs, active models) and its verdict history.
+
+A span may hold far more requests than a diagnosis needs (an hour at 50 requests/s is 180,000
+rows), so `read_observations` counts the span first and, past `limit`, reads an even thinning
+of it (every k-th id), which keeps the distributions and the evaluation cheap; rates are taken
+from the count, not from the rows read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from app.store.models import Diagnosis, RequestRow
+
+# What one observation needs, in this order (see app/diagnosis/observations.py).
+OBSERVATION_COLUMNS = (
+    RequestRow.started_at, RequestRow.outcome, RequestRow.ttft_s, RequestRow.e2e_s,
+    RequestRow.itl_count, RequestRow.itl_p50_s, RequestRow.itl_max_s, RequestRow.prompt_tokens,
+    RequestRow.in_flight_at_arrival,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpan:
+    rows: list[tuple[Any, ...]]  # OBSERVATION_COLUMNS values, oldest first
+    total: int  # requests in the span (rows may be a thinning of them)
+    first: datetime | None  # earliest and latest arrival among all of them
+    last: datetime | None
+
+
+def _where(model: str, since: datetime | None, until: datetime | None,
+           run_id: str | None) -> list[ColumnElement[bool]]:
+    where: list[ColumnElement[bool]] = [RequestRow.model == model]
+    if since is not None:
+        where.append(RequestRow.started_at >= since)
+    if until is not None:
+        where.append(RequestRow.started_at < until)
+    if run_id is not None:
+        where.append(RequestRow.run_id == run_id)
+    return where
+
+
+async def read_observations(
+    session: AsyncSession, *, model: str, since: datetime | None = None,
+    until: datetime | None = None, run_id: str | None = None, limit: int = 3000,
+) -> RequestSpan:
+    """A model's requests that arrived in [since, until) (and carry `run_id`, if given)."""
+    where = _where(model, since, until, run_id)
+    total, first, last = (await session.execute(
+        select(func.count(), func.min(RequestRow.started_at), func.max(RequestRow.started_at))
+        .where(*where)
+    )).one()
+    query = select(*OBSERVATION_COLUMNS).where(*where).order_by(RequestRow.started_at)
+    if total > limit:
+        query = query.where(RequestRow.id % math.ceil(total / limit) == 0)
+    rows = [tuple(row) for row in await session.execute(query)]
+    return RequestSpan(rows, int(total), first, last)
+
+
+async def run_request_count(session: AsyncSession, run_id: str) -> int:
+    """Requests stored with this run id, for any model."""
+    count = await session.scalar(
+        select(func.count()).select_from(RequestRow).where(RequestRow.run_id == run_id))
+    return int(count or 0)
+
+
+async def active_models(
+    session: AsyncSession, since: datetime, until: datetime, limit: int
+) -> list[str]:
+    """Models with requests in [since, until), busiest first."""
+    count = func.count().label("n")
+    result = await session.execute(
+        select(RequestRow.model, count)
+        .where(RequestRow.started_at >= since, RequestRow.started_at < until,
+               RequestRow.model.is_not(None))
+        .group_by(RequestRow.model).order_by(count.desc(), RequestRow.model).limit(limit)
+    )
+    return [model for model, _ in result if model]
+
+
+async def add_diagnosis(
+    session: AsyncSession, *, at: datetime, model: str, window_s: float, baseline: str,
+    verdict: str, confidence: float, evidence: dict[str, Any],
+) -> int:
+    row = Diagnosis(at=at, model=model[:255], window_s=window_s, baseline=baseline[:200],
+                    verdict=verdict, confidence=confidence, evidence=evidence)
+    session.add(row)
+    await session.commit()
+    return row.id
+
+
+async def latest_verdicts(session: AsyncSession) -> dict[str, str]:
+    """The last stored verdict of every model."""
+    newest = select(func.max(Diagnosis.id)).group_by(Diagnosis.model).scalar_subquery()
+    result = await session.execute(
+        select(Diagnosis.model, Diagnosis.verdict).where(Diagnosis.id.in_(newest)))
+    return {model: verdict for model, verdict in result}
+
+
+async def list_diagnoses(
+    session: AsyncSession, model: str | None, limit: int, cursor: int | None
+) -> tuple[Sequence[Diagnosis], int | None]:
+    """Stored verdict changes, newest first; keyset-paginated by id."""
+    query = select(Diagnosis).order_by(Diagnosis.id.desc()).limit(limit + 1)
+    if model is not None:
+        query = query.where(Diagnosis.model == model)
+    if cursor is not None:
+        query = query.where(Diagnosis.id < cursor)
+    rows = (await session.scalars(query)).all()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (rows[-1].id if more and rows else None)

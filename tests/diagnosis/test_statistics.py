@@ -1,0 +1,128 @@
+"""The statistics, checked against brute force: counted pairs, exact permutation p-values,
+resampling by hand."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+
+import pytest
+
+from app.diagnosis.statistics import (
+    Moments,
+    average_ranks,
+    interval,
+    mann_whitney_greater,
+    mean_replicate,
+    quantile_replicate,
+    rank_of,
+    rate_ratio_greater,
+    spearman,
+    two_proportions_greater,
+)
+
+
+def pairs_u(x: list[float], y: list[float]) -> float:
+    return sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in x for b in y)
+
+
+def test_average_ranks_share_ties() -> None:
+    ranks, ties = average_ranks([3.0, 1.0, 3.0, 2.0, 3.0])
+    assert ranks == [4.0, 1.0, 4.0, 2.0, 4.0]
+    assert ties == [3]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_u_counts_the_pairs_and_p_matches_the_permutation_test(seed: int) -> None:
+    rng = random.Random(seed)
+    x = [float(rng.randint(0, 12)) for _ in range(7)]  # ties on purpose
+    y = [float(rng.randint(0, 9)) for _ in range(6)]
+    test = mann_whitney_greater(x, y)
+    assert test.u == pairs_u(x, y)
+    assert test.effect == pytest.approx(test.u / 42)
+    # Exact one-sided p-value: the share of relabellings with a U at least as large.
+    pooled = x + y
+    at_least = total = 0
+    for chosen in itertools.combinations(range(13), 7):
+        xs = [pooled[i] for i in chosen]
+        ys = [pooled[i] for i in range(13) if i not in chosen]
+        total += 1
+        at_least += pairs_u(xs, ys) >= test.u
+    assert test.p_value == pytest.approx(at_least / total, abs=0.03)
+
+
+def test_identical_values_give_no_evidence() -> None:
+    test = mann_whitney_greater([5.0] * 30, [5.0] * 30)
+    assert test.p_value == 1.0 and test.effect == 0.5
+    assert mann_whitney_greater([], [1.0]).p_value == 1.0
+
+
+def test_a_clear_shift_is_significant_one_way_only() -> None:
+    low = [1.0 + i / 100 for i in range(30)]
+    high = [2.0 + i / 100 for i in range(30)]
+    assert mann_whitney_greater(high, low).p_value < 1e-9
+    assert mann_whitney_greater(low, high).p_value > 0.999
+
+
+def test_spearman() -> None:
+    x = [float(i) for i in range(30)]
+    result = spearman(x, [v**3 for v in x])  # monotone: rho 1
+    assert result is not None and result.rho == pytest.approx(1.0) and result.p_value < 1e-6
+    backwards = spearman(x, [-v for v in x])
+    assert backwards is not None and backwards.rho == pytest.approx(-1.0)
+    assert backwards.p_value > 0.99
+    assert spearman(x, [1.0] * 30) is None  # no variation
+    assert spearman(x[:4], x[:4]) is None  # too few pairs
+
+
+def test_proportions_and_rates() -> None:
+    assert two_proportions_greater(30, 50, 2, 50) < 1e-6
+    assert two_proportions_greater(2, 50, 2, 50) == pytest.approx(0.5)
+    assert two_proportions_greater(0, 50, 0, 50) == 1.0
+    assert two_proportions_greater(1, 0, 0, 5) == 1.0
+    # 200 events in 10 s against 100 in 10 s: twice the rate, far beyond chance.
+    assert rate_ratio_greater(200, 10, 100, 10) < 1e-6
+    assert rate_ratio_greater(100, 10, 100, 10) > 0.4
+    assert rate_ratio_greater(0, 10, 0, 10) == 1.0
+
+
+def test_quantile_replicates_match_resampling() -> None:
+    """Drawn through order statistics, they have the distribution resampling gives."""
+    rng = random.Random(3)
+    values = sorted(rng.lognormvariate(0, 1) for _ in range(41))
+    ranks = (rank_of(0.5, 41), rank_of(0.95, 41))
+    drawn = [quantile_replicate(values, ranks, rng) for _ in range(20000)]
+    resampled = []
+    for _ in range(20000):
+        sample = sorted(rng.choices(values, k=41))
+        resampled.append((sample[ranks[0] - 1], sample[ranks[1] - 1]))
+    for k in (0, 1):
+        a = statistics.quantiles([d[k] for d in drawn], n=10)
+        b = statistics.quantiles([r[k] for r in resampled], n=10)
+        for qa, qb in zip(a, b, strict=True):
+            assert qa == pytest.approx(qb, rel=0.05)
+    # Jointly drawn: a replicate's p95 is never below its median.
+    assert all(m <= t for m, t in drawn)
+
+
+def test_one_value_and_equal_ranks() -> None:
+    rng = random.Random(0)
+    assert quantile_replicate([2.5], (1, 1), rng) == [2.5, 2.5]
+
+
+def test_mean_replicates_centre_on_the_mean() -> None:
+    rng = random.Random(0)
+    values = [1.0, 2.0, 3.0, 10.0]
+    moments = Moments.of(values)
+    draws = [mean_replicate(moments, rng) for _ in range(20000)]
+    assert statistics.fmean(draws) == pytest.approx(4.0, abs=0.05)
+    assert statistics.pstdev(draws) == pytest.approx(moments.sd / 2, rel=0.05)
+    assert Moments.of([7.0]).sd == 0.0
+
+
+def test_interval() -> None:
+    values = [float(i) for i in range(1, 1001)]
+    assert interval(values) == (25.0, 975.0)
+    assert math.isclose(interval([1.0])[0], 1.0)
