@@ -355,18 +355,26 @@ def _comparisons(m: Measures, window: Sample, baseline: Sample, w_timed: list[Ob
             "coverage": finite(relative.coverage), "strata": relative.strata,
             "reason": "the baseline has too few requests at the window's prompt lengths",
         }
-    if engine is not None and engine.ttft_mean_s is not None:
-        ttfts = sorted(o.ttft_s for o in w_timed if o.ttft_s is not None)
-        proxy_mean = math.fsum(ttfts) / len(ttfts)
-        proxy_p50 = percentile(ttfts, 0.5)
-        out["ttft_proxy_vs_engine"] = {
-            "proxy_mean_s": finite(proxy_mean), "engine_mean_s": finite(engine.ttft_mean_s),
-            "gap_mean_s": finite(proxy_mean - engine.ttft_mean_s),
-            "proxy_p50_s": None if proxy_p50 is None else finite(proxy_p50),
-            "engine_p50_s": None if engine.ttft_p50_s is None else finite(engine.ttft_p50_s),
-            "note": "the gap is network + proxy + the engine frontend before its own clock",
-        }
     return out
+
+
+def _proxy_vs_engine(w_timed: list[Observation],
+                     engine: EngineSignals | None) -> dict[str, Any] | None:
+    """The proxy's TTFT beside the engine's over the window (no baseline needed)."""
+    if engine is None or engine.ttft_mean_s is None:
+        return None
+    ttfts = sorted(o.ttft_s for o in w_timed if o.ttft_s is not None)
+    if not ttfts:
+        return None
+    proxy_mean = math.fsum(ttfts) / len(ttfts)
+    proxy_p50 = percentile(ttfts, 0.5)
+    return {
+        "proxy_mean_s": finite(proxy_mean), "engine_mean_s": finite(engine.ttft_mean_s),
+        "gap_mean_s": finite(proxy_mean - engine.ttft_mean_s),
+        "proxy_p50_s": None if proxy_p50 is None else finite(proxy_p50),
+        "engine_p50_s": None if engine.ttft_p50_s is None else finite(engine.ttft_p50_s),
+        "note": "the gap is network + proxy + the engine frontend before its own clock",
+    }
 
 
 def diagnose(
@@ -381,6 +389,7 @@ def diagnose(
         "samples": {"window": _sample_evidence(window, len(w_timed)),
                     "baseline": _sample_evidence(baseline, len(b_timed))},
         "engine": _engine_evidence(engine),
+        "ttft_proxy_vs_engine": _proxy_vs_engine(w_timed, engine),
     }
     if len(w_timed) < rules.min_samples or len(b_timed) < rules.min_samples:
         parts = []
