@@ -8,8 +8,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from app.bench.cli import add_parser as add_bench_parser
 from app.core.settings import SettingsError, load_settings
 from app.sim.cli import add_parser as add_sim_parser
+from app.slo.cli import add_parser as add_slo_parser
 
 if TYPE_CHECKING:
     from app.demo import StackOptions
@@ -149,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     db_actions.add_parser("current", help="show the schema revision")
     db.set_defaults(func=_db)
     add_sim_parser(commands)
+    add_bench_parser(commands)
+    add_slo_parser(commands)
     _add_stack_parsers(commands)
     return parser
 

@@ -48,6 +48,7 @@ class StackOptions:
     sim_port: int = 0  # 0: a free port
     proxy_port: int = 0
     sim_args: tuple[str, ...] = ()  # further `phasewatch sim` flags
+    database_url: str | None = None  # the proxy's records; None: PHASEWATCH_DATABASE_URL
     quiet: bool = True  # children's logs to a file (shown if they fail) instead of the terminal
 
 
@@ -76,9 +77,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path | None, timeou
 
 
 @contextmanager
-def _child(
-    args: Sequence[str], health_url: str, log: Path | None, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
+def _child(args: Sequence[str], log: Path | None,
+           env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A child interpreter running `args`, stopped gracefully on exit (not waited for here)."""
     out: IO[bytes] | None = log.open("wb") if log is not None else None
     proc = subprocess.Popen(
         [sys.executable, *args], stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -88,7 +89,6 @@ def _child(
         start_new_session=True,
     )
     try:
-        _wait_http(health_url, proc, log, timeout=60.0)
         yield proc
     finally:
         if proc.poll() is None:
@@ -104,8 +104,13 @@ def _child(
 
 @contextmanager
 def running_stack(options: StackOptions) -> Iterator[Stack]:
-    """Start the simulator and the proxy in front of it; stop both on exit."""
-    database_url = load_settings().database_url  # fail early, before starting anything
+    """Start the simulator and the proxy in front of it; stop both on exit.
+
+    Both start at once (the proxy needs its upstream only when a request comes), then each is
+    waited for; the proxy stops first, so it can flush its records.
+    """
+    # Fail early, before starting anything.
+    database_url = options.database_url or load_settings().database_url
     sim_port = options.sim_port or free_port()
     proxy_port = options.proxy_port or free_port()
     sim_url = f"http://127.0.0.1:{sim_port}"
@@ -119,15 +124,18 @@ def running_stack(options: StackOptions) -> Iterator[Stack]:
         ]
         if options.quiet:
             sim_args += ["--log-level", "warning"]
-        stack.enter_context(
-            _child(sim_args, sim_url + "/health", logs / "sim.log" if options.quiet else None)
-        )
-        stack.enter_context(_child(
+        sim_log = logs / "sim.log" if options.quiet else None
+        proxy_log = logs / "proxy.log" if options.quiet else None
+        sim = stack.enter_context(_child(sim_args, sim_log))
+        proxy_env = {"PHASEWATCH_DATABASE_URL": database_url}
+        if options.quiet:
+            proxy_env["PHASEWATCH_LOG_LEVEL"] = "warning"
+        proxy = stack.enter_context(_child(
             ["-m", "app.cli", "serve", "--upstream", sim_url, "--port", str(proxy_port)],
-            proxy_url + "/api/health",
-            logs / "proxy.log" if options.quiet else None,
-            env={"PHASEWATCH_LOG_LEVEL": "warning"} if options.quiet else None,
+            proxy_log, proxy_env,
         ))
+        _wait_http(sim_url + "/health", sim, sim_log, timeout=60.0)
+        _wait_http(proxy_url + "/api/health", proxy, proxy_log, timeout=60.0)
         yield Stack(sim_url, proxy_url, database_url)
 
 

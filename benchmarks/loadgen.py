@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import random
 import resource
 import time
 from typing import Any
@@ -37,6 +36,9 @@ from typing import Any
 import aiohttp
 import orjson
 import uvloop
+
+# The bench's own Poisson schedule: one definition for `phasewatch bench rate` and this script.
+from app.bench.load import poisson_schedule
 
 _HEADERS = {"Content-Type": "application/json"}
 
@@ -70,17 +72,6 @@ class Results:
             "events": self.events,
             "max_in_flight": self.max_in_flight,
         }
-
-
-def schedule(rate: float, duration_s: float, seed: int) -> list[float]:
-    """Arrival offsets in seconds: a Poisson process at `rate`, cut at `duration_s`."""
-    rng = random.Random(seed)
-    arrivals: list[float] = []
-    t = rng.expovariate(rate)
-    while t < duration_s:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    return arrivals
 
 
 def request_body(chat: bool, tokens: int, client_usage: str) -> bytes:
@@ -178,7 +169,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     url = args.url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     body = request_body(chat, args.tokens, args.client_usage)
     arrivals = [
-        t for i, t in enumerate(schedule(args.rate, args.duration, args.seed))
+        t for i, t in enumerate(poisson_schedule(args.rate, args.duration, args.seed))
         if i % args.shards == args.shard
     ]
     res.scheduled = len(arrivals)

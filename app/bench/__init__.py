@@ -1,10 +1,15 @@
 """Measure an OpenAI-compatible server from the client's side: TTFT, ITL, throughput, errors.
 
-`client` streams one request and times it; `stats` turns results into summaries (pure);
-`workload` builds exact-length prompts and sends bursts; `proxy_view` reads phasewatch's own
-stored view of the same requests; `article` holds the article's two experiments and renders
-them. `phasewatch demo` is a thin shell over this package. It imports nothing from the proxy or
-the simulator: it talks HTTP, so it measures a real vLLM the same way.
+Measuring: `client` streams one request and times it; `load` sends closed- and open-loop
+batches; `prompts` builds exact-length prompts; `target` reads what the server says about
+itself; `modes` holds the bench's five experiments and `runner` runs one of them end to end,
+joining phasewatch's own records of the same requests (`proxy_view`).
+Figures and output, all pure: `stats` (summaries), `result` (a run as rows: exported, stored
+and printed alike), `render` (the report), `compare`, `plots`. `storage` keeps runs in
+phasewatch's database (`app.store`); `export` writes the JSON and PNG files; `cli` is the
+`bench` and `runs` commands. `article` and `workload` hold the article's two experiments for
+`phasewatch demo`. Nothing here imports the proxy or the simulator: it talks HTTP, so it
+measures a real vLLM the same way.
 """
 
 from app.bench.client import RequestResult, stream_request

@@ -1,27 +1,30 @@
-"""What gets sent: exact-length prompts and bursts of concurrent streaming requests.
+"""What gets sent: the served model, request bodies, and bursts of concurrent streaming requests.
 
-Prompts are the article's `"word " * n`, checked against the server's own `/tokenize` (vLLM and
-the simulator both serve it) and corrected until the count is exact, so "256-token prompt"
-means 256 prompt tokens on the server that answers, not an estimate.
+`exact_prompt` is the article's `"word " * n`, checked against the server's own `/tokenize`
+(vLLM and the simulator both serve it) and corrected until the count is exact, so "256-token
+prompt" means 256 prompt tokens on the server that answers; it refuses a server without
+`/tokenize` (`app.bench.prompts` has the fallbacks the bench uses).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from time import perf_counter_ns
+from time import monotonic_ns
 from typing import Any
 
 import aiohttp
 import orjson
 
 from app.bench.client import RequestResult, stream_request
+from app.bench.errors import WorkloadError
+from app.bench.prompts import SERVER, PromptBuilder
 
 RUN_ID_HEADER = "x-phasewatch-run-id"
+REQUEST_ID_HEADER = "x-request-id"
 
-
-class WorkloadError(RuntimeError):
-    """The server could not be prepared for (its models, its tokenizer); the message says why."""
+__all__ = ["RUN_ID_HEADER", "Burst", "WorkloadError", "burst", "client_session",
+           "completion_body", "exact_prompt", "first_model"]
 
 
 async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -34,30 +37,14 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     return str(models[0]["id"])
 
 
-async def count_tokens(
-    session: aiohttp.ClientSession, base_url: str, model: str, prompt: str
-) -> int:
-    async with session.post(
-        base_url + "/tokenize", data=orjson.dumps({"model": model, "prompt": prompt}),
-        headers={"content-type": "application/json"},
-    ) as response:
-        if response.status != 200:
-            raise WorkloadError(f"{base_url}/tokenize answered {response.status}")
-        return int((await response.json(loads=orjson.loads))["count"])
-
-
 async def exact_prompt(
     session: aiohttp.ClientSession, base_url: str, model: str, tokens: int
 ) -> str:
-    """A prompt of exactly `tokens` tokens by the server's tokenizer ("word " repeated)."""
-    words = tokens
-    for _ in range(8):
-        prompt = "word " * words
-        found = await count_tokens(session, base_url, model, prompt)
-        if found == tokens:
-            return prompt
-        words = max(1, words + tokens - found)
-    raise WorkloadError(f"could not build a prompt of exactly {tokens} tokens for {model}")
+    """A prompt of exactly `tokens` tokens by the server's own tokenizer ("word " repeated)."""
+    builder = PromptBuilder(session, base_url, model)
+    if await builder.choose() != SERVER:
+        raise WorkloadError(f"{base_url}/tokenize did not answer: prompt lengths cannot be exact")
+    return (await builder.prompt(tokens)).text
 
 
 def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -91,7 +78,7 @@ async def burst(
     """Send `concurrency` copies of one completion request at once and wait for them all."""
     headers = {RUN_ID_HEADER: run_id} if run_id else {}
     url = base_url + "/v1/completions"
-    start = perf_counter_ns()
+    start = monotonic_ns()
     results = await asyncio.gather(
         *(stream_request(session, url, body, headers) for _ in range(concurrency))
     )

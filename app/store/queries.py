@@ -90,6 +90,14 @@ async def get_run(session: AsyncSession, run_id: str) -> Run | None:
     return (await session.scalars(query)).first()
 
 
+async def run_ids_starting_with(session: AsyncSession, prefix: str, limit: int = 2) -> list[str]:
+    """Ids of runs that start with `prefix` (so a run can be named by a unique prefix)."""
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    query = (select(Run.id).where(Run.id.like(escaped + "%", escape="\\"))
+             .order_by(Run.started_at.desc()).limit(limit))
+    return list((await session.scalars(query)).all())
+
+
 @dataclass(frozen=True, slots=True)
 class GroupStats:
     """Aggregates of one group's requests over a window. Definitions in the README."""

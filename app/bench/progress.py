@@ -1,0 +1,83 @@
+"""Progress of a sweep on stderr: a rich progress bar when `rich` is installed (the `bench`
+extra) and stderr is a terminal, else one plain line per finished step. Never on stdout, which
+carries the report."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+
+class Progress(Protocol):
+    def start(self, total: int | None, description: str) -> None: ...
+    def advance(self, label: str) -> None: ...
+    def stop(self) -> None: ...
+
+
+class NoProgress:
+    def start(self, total: int | None, description: str) -> None:
+        pass
+
+    def advance(self, label: str) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class LineProgress:
+    """`[3/12] concurrency 16, repeat 2` per step: readable in logs and CI."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.done = 0
+
+    def start(self, total: int | None, description: str) -> None:
+        self.total, self.done = total, 0
+        print(description, file=sys.stderr, flush=True)
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        of = f"/{self.total}" if self.total else ""
+        print(f"[{self.done}{of}] {label}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        pass
+
+
+class RichProgress:
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.fields[label]}"),
+                        console=Console(stderr=True), transient=False)
+        self._task: Any = None
+
+    def start(self, total: int | None, description: str) -> None:
+        self._bar.start()
+        self._task = self._bar.add_task(description, total=total, label="")
+
+    def advance(self, label: str) -> None:
+        self._bar.update(self._task, advance=1, label=label)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def make_progress(enabled: bool = True) -> Progress:
+    if not enabled:
+        return NoProgress()
+    if sys.stderr.isatty():
+        try:
+            return RichProgress()
+        except ImportError:
+            pass
+    return LineProgress()

@@ -1,0 +1,87 @@
+"""Where bench runs are kept: phasewatch's own database (`runs` and `run_points`).
+
+By default the database of `PHASEWATCH_DATABASE_URL` (or `--database-url`), the proxy's
+default included, so a bench through a local phasewatch shares its store: the run, its points,
+and the proxy's records of the same requests (`requests.run_id`) sit side by side, and
+`/api/runs` serves the runs. The schema is checked as the proxy checks it: a new database is
+migrated, one that is behind is refused with what to run.
+
+Rows go in and come out exactly as `app.bench.result` shapes them, so a stored run renders the
+same report as the run that stored it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from app.bench.result import POINT_COLUMNS, RUN_COLUMNS, RunResult
+from app.core.db import create_engine, create_sessionmaker
+from app.store.migrate import prepare_schema
+from app.store.queries import get_run, list_runs, run_ids_starting_with
+from app.store.runs import begin_run, complete_run
+
+
+class RunNotFound(LookupError):
+    """No run, or more than one, answers to the id given; the message says which."""
+
+
+class RunStore:
+    def __init__(self, database_url: str, auto_upgrade: bool = False) -> None:
+        self.url = database_url
+        self.auto_upgrade = auto_upgrade
+        self._engine: AsyncEngine | None = None
+        self._sessions: async_sessionmaker[AsyncSession] | None = None
+
+    async def __aenter__(self) -> RunStore:
+        self._engine = create_engine(self.url)
+        await prepare_schema(self._engine, self.url, self.auto_upgrade)
+        self._sessions = create_sessionmaker(self._engine)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+
+    def _session(self) -> AsyncSession:
+        assert self._sessions is not None, "use RunStore in `async with`"
+        return self._sessions()
+
+    async def begin(self, run: dict[str, Any]) -> None:
+        async with self._session() as session:
+            await begin_run(session, run)
+
+    async def finish(self, run: dict[str, Any], points: list[dict[str, Any]]) -> None:
+        async with self._session() as session:
+            await complete_run(session, run, points)
+
+    async def resolve(self, id_or_prefix: str) -> str:
+        async with self._session() as session:
+            if await get_run(session, id_or_prefix) is not None:
+                return id_or_prefix
+            found = await run_ids_starting_with(session, id_or_prefix)
+        if len(found) != 1:
+            what = "no run" if not found else "more than one run"
+            raise RunNotFound(f"{what} with an id starting {id_or_prefix!r} in {self.safe_url}")
+        return found[0]
+
+    async def load(self, id_or_prefix: str) -> RunResult:
+        run_id = await self.resolve(id_or_prefix)
+        async with self._session() as session:
+            run = await get_run(session, run_id)
+            assert run is not None
+            return RunResult(
+                {key: getattr(run, key) for key in RUN_COLUMNS},
+                [{key: getattr(p, key) for key in POINT_COLUMNS} for p in run.points],
+            )
+
+    async def recent(self, limit: int, kind: str | None = None) -> list[dict[str, Any]]:
+        async with self._session() as session:
+            runs, _ = await list_runs(session, None, None, kind, limit, None)
+            return [{key: getattr(run, key) for key in RUN_COLUMNS} for run in runs]
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without credentials, for messages."""
+        return self.url.split("@")[-1]
