@@ -1,0 +1,51 @@
+"""The article's first experiment, `phasewatch bench prompt`, against a real vLLM through
+phasewatch: exact prompt lengths from vLLM's /tokenize, TTFT rising with prompt length while ITL
+stays nearly flat, and the proxy's own figures joined to the stored run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import Proxy
+from tests.vllm.server import VLLMServer
+
+PROMPTS = (32, 1024, 3500)  # under the fixture's --max-model-len 4096, with room for output
+
+
+def test_prompt_sweep_shows_prefill_in_ttft_not_in_itl(
+    vllm_server: VLLMServer, vllm_proxy: Proxy, sqlite_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "app.cli", "bench", "prompt", "--url", vllm_proxy.url,
+               "--prompt-tokens", *map(str, PROMPTS), "--max-tokens", "24", "--requests", "3",
+               "--database-url", sqlite_url, "--out", str(out), "--no-plots", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [export] = out.glob("*.json")
+    result = json.loads(export.read_text())
+    run, points = result["run"], result["points"]
+    assert run["status"] == "finished"
+    assert run["engine"].get("version") == vllm_server.version
+    assert [p["x_value"] for p in points] == list(PROMPTS)
+    assert all(p["errors"] == 0 and p["requests"] == 3 for p in points)
+    # Exact prompt lengths: vLLM's usage, as the proxy recorded it, is what was asked for.
+    for point in points:
+        proxy = point["extra"]["proxy"]
+        assert proxy["requests"] == 3, proxy
+    stored = vllm_proxy.stored(run_id=run["id"])
+    assert sorted({r["prompt_tokens"] for r in stored}) == list(PROMPTS)
+    assert all(r["output_tokens"] == 24 and r["outcome"] == "ok" for r in stored)
+
+    ttft = [p["ttft_p50_s"] for p in points]
+    itl = [p["itl_p50_s"] for p in points]
+    printed = " ".join(f"{n}: TTFT {t * 1e3:.1f} ms ITL {i * 1e3:.2f} ms"
+                       for n, t, i in zip(PROMPTS, ttft, itl, strict=True))
+    # Prefill: TTFT grows with the prompt, and by much more than any change in ITL.
+    assert ttft[0] < ttft[1] < ttft[2], printed
+    assert ttft[2] / ttft[0] > 5, printed
+    # Decode: one token per step whatever the prompt; the 3,500-token context costs a little.
+    assert max(itl) / min(itl) < 2.0, printed
