@@ -1,9 +1,12 @@
 """What one SSE event of an OpenAI-compatible stream means for timing.
 
 `classify` reads one event's data and says whether it carries output (and how much), usage,
-an in-band error, or the end. It is the only JSON parsing on the per-chunk path, and it reads
-only the fields timing needs. `strip_usage` removes usage the client did not ask for, touching
-no other byte of the event.
+an in-band error, or the end, and whether it finishes a choice. It is the only JSON parsing on
+the per-chunk path, and it reads only the fields timing needs. `strip_usage` removes usage the
+client did not ask for, touching no other byte of the event; `system_fingerprint` and
+`add_fingerprint` move vLLM's fingerprint from the usage chunk phasewatch drops back onto the
+terminal chunk, where vLLM puts it when the client did not ask for usage. None of these
+re-serialises an event.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ class EventInfo(NamedTuple):  # a tuple: built for every event, so cheap to buil
     # Characters of output in this event: the weight for estimating tokens without usage.
     chars: int = 0
     has_usage: bool = False
+    # A choice in this event has its finish_reason: vLLM's terminal chunk for that choice.
+    finished: bool = False
     error_message: str | None = None
 
 
@@ -64,16 +69,18 @@ def classify(data: bytes) -> EventInfo:
         kind = Kind.USAGE if has_usage else Kind.EMPTY
         return EventInfo(kind, completion, prompt, 0, has_usage)
     chars = 0
+    finished = False
     for choice in choices:
-        chars += _output_chars(choice)
+        if isinstance(choice, dict):
+            chars += _output_chars(choice)
+            if choice.get("finish_reason") is not None:
+                finished = True
     kind = Kind.OUTPUT if chars else Kind.EMPTY
-    return EventInfo(kind, completion, prompt, chars, has_usage)
+    return EventInfo(kind, completion, prompt, chars, has_usage, finished)
 
 
-def _output_chars(choice: Any) -> int:
+def _output_chars(choice: dict[str, Any]) -> int:
     """Characters of output in one choice; a tool-call delta counts as at least one."""
-    if not isinstance(choice, dict):
-        return 0
     text = choice.get("text")
     if text:  # /v1/completions
         return len(text)
@@ -94,32 +101,29 @@ def _output_chars(choice: Any) -> int:
 _USAGE_KEY = b'"usage":{'
 
 
-def strip_usage(raw: bytes, keep_null: bool) -> bytes:
-    """Remove the `usage` object from one raw event, leaving every other byte as it was.
+def strip_usage(raw: bytes) -> bytes:
+    """Remove the `usage` key and object from one raw event, leaving every other byte as it was.
 
-    vLLM writes completion chunks with every field (so `"usage":null` when usage was not
-    asked for) and chat chunks with set fields only (no `usage` key): `keep_null` chooses
-    between the two so the client sees what the upstream would have sent it.
+    vLLM (0.32) writes stream chunks with set fields only: without usage asked for, a chunk has
+    no `usage` key at all, in both endpoints. (vLLM 0.10 wrote completion chunks with every
+    field, `"usage":null` included; phasewatch follows the current release.)
     """
     start = raw.rfind(_USAGE_KEY)
     if start < 0:
-        # Already null or absent; or JSON with spaces, which only the slow path can cut.
-        return _strip_usage_slow(raw, keep_null) if b'"usage": {' in raw else raw
+        # Null or absent; or JSON with spaces, which only the slow path can cut.
+        return _strip_usage_slow(raw) if b'"usage": {' in raw else raw
     pos = start + len(_USAGE_KEY) - 1  # the object's opening brace
     end = raw.find(b"}", pos)
     # Usage holds numbers and small nested objects, never strings with braces: balance them.
     while end >= 0 and raw.count(b"{", pos, end + 1) != raw.count(b"}", pos, end + 1):
         end = raw.find(b"}", end + 1)
-    end = end + 1 if end >= 0 else -1
     if end < 0:
-        return _strip_usage_slow(raw, keep_null)
-    if keep_null:
-        return raw[: pos] + b"null" + raw[end:]
+        return _strip_usage_slow(raw)
     cut = start - 1 if start > 0 and raw[start - 1] == 0x2C else start  # also drop the comma
-    return raw[:cut] + raw[end:]
+    return raw[:cut] + raw[end + 1:]
 
 
-def _strip_usage_slow(raw: bytes, keep_null: bool) -> bytes:
+def _strip_usage_slow(raw: bytes) -> bytes:
     """Fallback for non-compact JSON: re-serialise the event without its usage."""
     head, sep, data = raw.partition(b"data:")
     try:
@@ -128,8 +132,44 @@ def _strip_usage_slow(raw: bytes, keep_null: bool) -> bytes:
         return raw
     if not isinstance(obj, dict) or "usage" not in obj:
         return raw
-    if keep_null:
-        obj["usage"] = None
-    else:
-        del obj["usage"]
+    del obj["usage"]
     return head + sep + b" " + orjson.dumps(obj) + b"\n\n"
+
+
+_FINGERPRINT_KEY = b'"system_fingerprint":'
+
+
+def system_fingerprint(raw: bytes) -> bytes | None:
+    """The `system_fingerprint` of one raw compact event as its JSON string, quotes included
+    and byte for byte; None when the event has none (or it is null, or the JSON is spaced).
+
+    Read once per stream, from the closing usage chunk: vLLM (0.32) stamps its fingerprint
+    there when usage was asked for, and on the terminal chunk otherwise.
+    """
+    key = raw.rfind(_FINGERPRINT_KEY)
+    start = key + len(_FINGERPRINT_KEY)
+    if key < 0 or raw[start:start + 1] != b'"':
+        return None
+    end = raw.find(b'"', start + 1)
+    while end >= 0:
+        backslashes = 0
+        while raw[end - 1 - backslashes] == 0x5C:
+            backslashes += 1
+        if backslashes % 2 == 0:  # not an escaped quote: the string ends here
+            return raw[start:end + 1]
+        end = raw.find(b'"', end + 1)
+    return None
+
+
+def add_fingerprint(raw: bytes, fingerprint: bytes) -> bytes:
+    """One raw terminal chunk with `"system_fingerprint":<fingerprint>` where vLLM writes it.
+
+    vLLM declares `system_fingerprint` right after `choices` and `usage`, and the only fields
+    after it (`prompt_token_ids`, `prompt_text`, `metrics`) are never set on a terminal chunk
+    (the first two ride on the chat role chunk, the last on the usage chunk): with
+    `exclude_unset` it is the chunk's last key. A chunk that already has one is left alone.
+    """
+    end = raw.rfind(b"}")
+    if end < 0 or _FINGERPRINT_KEY in raw:
+        return raw
+    return raw[:end] + b"," + _FINGERPRINT_KEY + fingerprint + raw[end:]

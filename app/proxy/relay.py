@@ -5,6 +5,14 @@ is classified (one small JSON parse) for timing; nothing else is parsed, validat
 When phasewatch asked the upstream for usage the client did not want, the stream is forwarded
 event by event with that usage cut out; otherwise each read is forwarded as it came.
 
+Cutting the closing usage chunk would lose vLLM's `system_fingerprint`, which vLLM puts there
+when usage is asked for and on the terminal chunk (finish_reason set) when it is not. So while
+that chunk is to be cut, a terminal chunk is held until the next event (vLLM writes the usage
+chunk right after it) and forwarded with the fingerprint spliced in, byte for byte what vLLM
+would have sent. Timing is unaffected: every event is timed when its read returns. (With n > 1
+a terminal chunk followed by another choice's tokens goes out as it came: the fingerprint is
+not known yet, and holding the chunk to the end would delay its choice.)
+
 The record is finished in `finally` and handed to a bounded queue: the relay never waits for
 storage, and nothing that goes wrong in metrics or records can break a client's stream.
 A client that leaves cancels the relay, which closes the upstream response at once, so the
@@ -22,7 +30,14 @@ from time import perf_counter_ns
 import aiohttp
 import orjson
 
-from app.core.events import Kind, classify, strip_usage
+from app.core.events import (
+    EventInfo,
+    Kind,
+    add_fingerprint,
+    classify,
+    strip_usage,
+    system_fingerprint,
+)
 from app.core.records import Outcome, RequestRecord
 from app.core.sse import SSEDecoder, event_data
 from app.proxy.asgi import (
@@ -77,7 +92,7 @@ async def relay(
         body = await read_body(receive)
         plan = plan_request(body, ctx.settings.upstream_continuous_usage)
         record.model, record.stream = plan.model, plan.stream
-        await _exchange(ctx, endpoint, scope, receive, send, plan, record, timing)
+        await _exchange(ctx, scope, receive, send, plan, record, timing)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
     finally:
@@ -90,7 +105,6 @@ async def relay(
 
 async def _exchange(
     ctx: ProxyContext,
-    endpoint: str,
     scope: Scope,
     receive: Receive,
     send: Send,
@@ -141,7 +155,7 @@ async def _exchange(
         record.http_status = response.status
         content_type = response.headers.get("Content-Type", "")
         if response.status == 200 and content_type.startswith("text/event-stream"):
-            await _relay_stream(ctx, endpoint, send, response, plan, record, timing, state)
+            await _relay_stream(ctx, send, response, plan, record, timing, state)
         else:
             await _relay_whole(send, response, record, timing, state)
         response.release()
@@ -181,7 +195,6 @@ async def _relay_whole(
 
 async def _relay_stream(
     ctx: ProxyContext,
-    endpoint: str,
     send: Send,
     response: aiohttp.ClientResponse,
     plan: RequestPlan,
@@ -193,7 +206,8 @@ async def _relay_stream(
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     decoder = SSEDecoder()
     rewrite = plan.strip_final_usage or plan.strip_chunk_usage
-    keep_null = endpoint == "completions"  # see events.strip_usage
+    hold = plan.strip_final_usage  # the usage chunk, and the fingerprint on it, will be cut
+    held: list[bytes] = []  # terminal chunks waiting for the event after them
     done = False
     # True while the relay waits in a send: a stall there is the client's (it stopped reading,
     # and back-pressure silenced the upstream), not the upstream's.
@@ -203,7 +217,7 @@ async def _relay_stream(
             now = state.last_read_ns = perf_counter_ns()
             if not rewrite:
                 for raw in decoder.decode(data):
-                    done = _note(raw, now, record, timing) is Kind.DONE or done
+                    done = _note(raw, now, record, timing).kind is Kind.DONE or done
                 sending = True
                 await send({"type": "http.response.body", "body": data, "more_body": True})
                 sending = False
@@ -212,13 +226,25 @@ async def _relay_stream(
                 continue
             parts: list[bytes] = []
             for raw in decoder.decode(data):
-                kind = _note(raw, now, record, timing)
+                info = _note(raw, now, record, timing)
+                kind = info.kind
                 done = kind is Kind.DONE or done
                 if kind is Kind.USAGE:
+                    if held:
+                        parts += _stamped(held, raw)
+                        held = []
                     if plan.strip_final_usage:
                         continue
-                elif plan.strip_chunk_usage and b'"usage":' in raw:
-                    raw = strip_usage(raw, keep_null)
+                else:
+                    if plan.strip_chunk_usage and b'"usage":' in raw:
+                        raw = strip_usage(raw)
+                    if hold:
+                        if info.finished:
+                            held.append(raw)
+                            continue
+                        if held:  # no usage chunk came next: nothing to stamp them with
+                            parts += held
+                            held = []
                 parts.append(raw)
             if parts:
                 sending = True
@@ -249,9 +275,11 @@ async def _relay_stream(
             record.error = f"upstream stream broke: {type(exc).__name__}"
     end_ns = timing.end_ns if state.answered and timing.end_ns else perf_counter_ns()
     timing.end_ns = end_ns
+    if held:  # the stream ended right after a terminal chunk: forward it as it came
+        await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
     unterminated = decoder.flush()  # a last event without its blank line, or a broken one
     for raw in unterminated:
-        done = _note(raw, end_ns, record, timing) is Kind.DONE or done
+        done = _note(raw, end_ns, record, timing).kind is Kind.DONE or done
         if rewrite:
             await send({"type": "http.response.body", "body": raw, "more_body": True})
     tail = b""
@@ -278,11 +306,23 @@ def _answered(state: Exchange, timing: StreamTiming, now: int) -> None:
     timing.end_ns = now
 
 
-def _note(raw: bytes, now: int, record: RequestRecord, timing: StreamTiming) -> Kind | None:
-    """Update timing from one raw event; return its kind (None for a comment-only event)."""
+def _stamped(held: list[bytes], usage_event: bytes) -> list[bytes]:
+    """Held terminal chunks with the usage chunk's fingerprint, where vLLM would have put it;
+    unchanged when it has none (fingerprints off, or not a vLLM)."""
+    fingerprint = system_fingerprint(usage_event)
+    if fingerprint is None:
+        return held
+    return [add_fingerprint(raw, fingerprint) for raw in held]
+
+
+_COMMENT = EventInfo(Kind.OTHER)
+
+
+def _note(raw: bytes, now: int, record: RequestRecord, timing: StreamTiming) -> EventInfo:
+    """Update timing from one raw event; return what it is (OTHER for a comment-only event)."""
     data = event_data(raw)
     if data is None:
-        return None
+        return _COMMENT
     info = classify(data)
     if info.has_usage:
         timing.completion_tokens = info.completion_tokens
@@ -292,7 +332,7 @@ def _note(raw: bytes, now: int, record: RequestRecord, timing: StreamTiming) -> 
     elif info.kind is Kind.ERROR and record.outcome is Outcome.OK:
         record.outcome = Outcome.STREAM_ERROR
         record.error = "in-band error from upstream"
-    return info.kind
+    return info
 
 
 def _read_usage(body: bytes, timing: StreamTiming) -> None:

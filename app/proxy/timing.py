@@ -93,7 +93,13 @@ def _tokens_per_event(t: StreamTiming) -> tuple[list[int], bool]:
     cumulative = [t.first_cumulative, *t.cumulative]
     if all(c is not None for c in cumulative):
         known = [c or 0 for c in cumulative]
-        return [known[0]] + [b - a for a, b in itertools.pairwise(known)], True
+        steps = [b - a for a, b in itertools.pairwise(known)]
+        # With n > 1, vLLM's running usage counts each choice apart: it can go down between
+        # chunks, and it ends below the final usage (all choices). Then it does not say what
+        # each event carried, and the estimate below is used.
+        agrees = t.completion_tokens is None or known[-1] == t.completion_tokens
+        if agrees and all(step >= 0 for step in steps):
+            return [known[0], *steps], True
     events = len(cumulative)
     total = t.completion_tokens
     if total is None or total <= events:

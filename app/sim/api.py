@@ -39,8 +39,11 @@ from app.sim.tokenizer import message_text
 if TYPE_CHECKING:
     from app.sim.app import SimState
 
-# The vLLM release whose wire shapes the simulator copies; /version reports it.
+# The vLLM release whose wire shapes the simulator copies; /version reports it. (Completion
+# chunks' serialization and the fingerprint follow 0.32: see app/sim/protocol.py.)
 VLLM_COMPAT_VERSION = "0.10.1"
+# vLLM's is `vllm-<version>-<8 hex of its config hash>`; the simulator's is one fixed string.
+SYSTEM_FINGERPRINT = f"vllm-{VLLM_COMPAT_VERSION}-phasewatch-sim"
 
 router = APIRouter()
 
@@ -274,7 +277,9 @@ async def _generate(http: Request, kind: Kind) -> Response:
         created=int(time.time()),
         model=sim.served.name,
         prompt_tokens=params.prompt_len,
+        include_usage=params.include_usage,
         continuous_usage=params.continuous_usage,
+        fingerprint=SYSTEM_FINGERPRINT,
     )
     return GenerationResponse(_Job(sim, request, params, builder, fault))
 

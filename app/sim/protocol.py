@@ -1,12 +1,16 @@
 """vLLM's OpenAI-compatible wire shapes: request validation, chunks, responses, errors.
 
-Shapes and key order follow vLLM v0.10's `protocol.py` and serving code:
-- completion chunks are dumped with `exclude_unset=False`, so every choice carries `logprobs`,
-  `finish_reason`, `stop_reason` and the chunk carries `"usage":null` unless usage is sent;
+Shapes and key order follow vLLM v0.10's `protocol.py` and serving code, except where noted
+as vLLM 0.32's (docs/simulator.md says which is which):
+- completion chunks are dumped with `exclude_unset=True`, as 0.32 does: every choice carries
+  `index`, `text`, `logprobs`, `finish_reason`, `stop_reason`, and the chunk has a `usage` key
+  only with continuous usage stats (0.10 dumped every field, so `"usage":null`);
 - chat chunks are dumped with `exclude_unset=True`: the first is role-only
   (`{"role":"assistant","content":""}`), the rest carry `{"content": ...}`, the last adds
   `stop_reason`; `usage` appears only with continuous usage stats;
 - the include_usage chunk has `choices: []` and usage without nulls, before `data: [DONE]`;
+- `system_fingerprint` goes where 0.32 stamps it: on the terminal chunk (finish_reason set)
+  without include_usage, else on the include_usage chunk (and on non-streamed responses);
 - `UsageInfo` orders its keys prompt_tokens, total_tokens, completion_tokens, as vLLM does;
 - errors are `{"error": {"message", "type", "param", "code"}}` with the HTTP status as `code`.
 Everything is built with orjson, compact. Nothing here does I/O.
@@ -248,7 +252,9 @@ class ChunkBuilder:
     created: int
     model: str
     prompt_tokens: int
+    include_usage: bool
     continuous_usage: bool
+    fingerprint: str
 
     def _head(self, chunk_object: str) -> dict[str, Any]:
         return {
@@ -286,12 +292,9 @@ class ChunkBuilder:
                     "stop_reason": None,
                 }
             ]
-            payload["usage"] = (
-                usage(self.prompt_tokens, completion_tokens, details_null=True)
-                if self.continuous_usage
-                else None
-            )
-            return sse(payload)
+            if self.continuous_usage:
+                payload["usage"] = usage(self.prompt_tokens, completion_tokens, details_null=False)
+            return self._terminal(payload, finish_reason)
         payload = self._head("chat.completion.chunk")
         choice: dict[str, Any] = {
             "index": 0,
@@ -304,6 +307,12 @@ class ChunkBuilder:
         payload["choices"] = [choice]
         if self.continuous_usage:
             payload["usage"] = usage(self.prompt_tokens, completion_tokens, details_null=False)
+        return self._terminal(payload, finish_reason)
+
+    def _terminal(self, payload: dict[str, Any], finish_reason: str | None) -> bytes:
+        """vLLM 0.32 stamps its fingerprint on the terminal chunk when no usage chunk follows."""
+        if finish_reason is not None and not self.include_usage:
+            payload["system_fingerprint"] = self.fingerprint
         return sse(payload)
 
     def final_usage(self, completion_tokens: int) -> bytes:
@@ -312,6 +321,7 @@ class ChunkBuilder:
         )
         payload["choices"] = []
         payload["usage"] = usage(self.prompt_tokens, completion_tokens, details_null=False)
+        payload["system_fingerprint"] = self.fingerprint
         return sse(payload)
 
     def response(self, text: str, completion_tokens: int, finish_reason: str) -> bytes:
@@ -349,7 +359,7 @@ class ChunkBuilder:
                 }
             ]
         payload["service_tier"] = None
-        payload["system_fingerprint"] = None
+        payload["system_fingerprint"] = self.fingerprint
         payload["usage"] = usage(self.prompt_tokens, completion_tokens, details_null=True)
         if self.kind == "chat":
             payload["prompt_logprobs"] = None

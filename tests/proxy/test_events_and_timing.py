@@ -5,7 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from app.core.events import Kind, classify, strip_usage
+from app.core.events import (
+    Kind,
+    add_fingerprint,
+    classify,
+    strip_usage,
+    system_fingerprint,
+)
 from app.proxy.request_plan import plan_request
 from app.proxy.timing import NS, StreamTiming, figures, summarize
 
@@ -49,19 +55,63 @@ CHUNK = (b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}],'
 
 
 def test_strip_usage_cuts_only_the_usage_object() -> None:
-    as_chat = strip_usage(CHUNK, keep_null=False)
-    as_completion = strip_usage(CHUNK, keep_null=True)
-    assert as_chat == b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}]}\n\n'
-    assert as_completion == (b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}],'
-                             b'"usage":null}\n\n')
-    assert orjson.loads(as_completion[6:])["choices"][0]["text"] == 'hi "usage":{'
+    # vLLM 0.32 writes chunks with set fields only: without usage asked for, no `usage` key.
+    stripped = strip_usage(CHUNK)
+    assert stripped == b'data: {"id":"c","choices":[{"index":0,"text":"hi \\"usage\\":{"}]}\n\n'
+    assert orjson.loads(stripped[6:])["choices"][0]["text"] == 'hi "usage":{'
 
 
 def test_strip_usage_leaves_null_usage_and_handles_spaced_json() -> None:
     null = b'data: {"choices":[],"usage":null}\n\n'
-    assert strip_usage(null, keep_null=True) is null
+    assert strip_usage(null) is null
     spaced = b'data: {"choices": [{"text": "a"}], "usage": {"completion_tokens": 1}}\n\n'
-    assert orjson.loads(strip_usage(spaced, keep_null=False)[6:]) == {"choices": [{"text": "a"}]}
+    assert orjson.loads(strip_usage(spaced)[6:]) == {"choices": [{"text": "a"}]}
+
+
+@pytest.mark.parametrize(
+    ("data", "finished"),
+    [
+        (b'{"choices":[{"index":0,"text":"a","finish_reason":null}]}', False),
+        (b'{"choices":[{"index":0,"text":"a","finish_reason":"length"}]}', True),
+        (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop","stop_reason":null}]}', True),
+        (b'{"choices":[{"index":0,"text":"finish_reason\\":\\"stop"}]}', False),
+        (b'{"choices":[{"index":0,"delta":{"content":"a"}}],"usage":{"completion_tokens":1}}',
+         False),
+        (b'{"choices":[],"usage":{"completion_tokens":1},"system_fingerprint":"f"}', False),
+        (b"[DONE]", False),
+    ],
+)
+def test_classify_says_which_events_finish_a_choice(data: bytes, finished: bool) -> None:
+    assert classify(data).finished is finished
+
+
+def test_system_fingerprint_is_read_byte_for_byte() -> None:
+    usage_chunk = (b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":1,"total_tokens":3,'
+                   b'"completion_tokens":2},"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}\n\n')
+    assert system_fingerprint(usage_chunk) == b'"vllm-0.32.0-1a2b3c4d"'
+    escaped = b'data: {"choices":[],"system_fingerprint":"a\\"b\\\\","metrics":{}}\n\n'
+    assert system_fingerprint(escaped) == b'"a\\"b\\\\"'
+    assert orjson.loads(system_fingerprint(escaped) or b"") == 'a"b\\'
+    for none in (b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\n',
+                 b'data: {"choices":[],"system_fingerprint":null}\n\n',
+                 b'data: {"choices":[{"text":"\\"system_fingerprint\\":\\"x\\""}]}\n\n'):
+        assert system_fingerprint(none) is None
+
+
+# vLLM 0.32's terminal completion chunk as phasewatch gets it (continuous usage, asked for by
+# the proxy) and as the client would have got it (no usage asked for), in vLLM's field order.
+VLLM_TERMINAL = (b'data: {"id":"cmpl-8f","object":"text_completion","created":1,"model":"m",'
+                 b'"choices":[{"index":0,"text":" x","logprobs":null,"finish_reason":"length",'
+                 b'"stop_reason":null,"prompt_token_ids":null,"token_ids":null}]')
+WITH_USAGE = VLLM_TERMINAL + (b',"usage":{"prompt_tokens":3,"total_tokens":8,'
+                              b'"completion_tokens":5}}\n\n')
+WITHOUT_USAGE = VLLM_TERMINAL + b',"system_fingerprint":"vllm-0.32.0-1a2b3c4d"}\n\n'
+
+
+def test_add_fingerprint_writes_the_chunk_vllm_would_have_sent() -> None:
+    fingerprint = b'"vllm-0.32.0-1a2b3c4d"'
+    assert add_fingerprint(strip_usage(WITH_USAGE), fingerprint) == WITHOUT_USAGE
+    assert add_fingerprint(WITHOUT_USAGE, b'"other"') is WITHOUT_USAGE  # already stamped
 
 
 def test_timing_with_exact_running_usage() -> None:
@@ -88,6 +138,21 @@ def test_timing_estimates_tokens_from_characters_without_running_usage() -> None
     assert not f.tokens_exact
     assert len(f.itl_s) == 4  # 5 tokens: 1 + 3 + 1, first one has no gap
     assert f.itl_s == pytest.approx([0.01, 0.01, 0.01, 0.01])
+
+
+def test_running_usage_of_several_choices_is_not_taken_as_exact() -> None:
+    """n=2: vLLM's running usage counts per choice, not per stream. Choice A's chunks carry
+    1, 2 and 1 tokens, B's 1 each, interleaved: the running counts go 1, 1, 3, 2, 4, 3."""
+    t = StreamTiming(arrival_ns=0)
+    for i, (cumulative, chars) in enumerate(
+        [(1, 2), (1, 2), (3, 4), (2, 2), (4, 2), (3, 2)], start=1
+    ):
+        t.output(i * 10 * MS, cumulative, chars)
+    t.completion_tokens, t.end_ns = 7, 60 * MS  # the final usage sums both choices
+    f = figures(t)
+    assert not f.tokens_exact  # estimated from the text, not misread from per-choice counts
+    assert f.output_tokens == 7 and len(f.itl_s) == 6
+    assert f.itl_s == pytest.approx([0.01, 0.005, 0.005, 0.01, 0.01, 0.01])
 
 
 def test_timing_one_token_per_chunk_counts_as_exact_when_totals_agree() -> None:

@@ -14,16 +14,22 @@ from tests.conftest import Proxy
 
 SCRIPT = {"tokens": [[0.02, "Hello", 1], [0.04, " wor", 1], [0.06, "ld", 2]]}
 HEADERS = {"x-script": orjson.dumps(SCRIPT).decode()}
+# As vLLM 0.32 does: the fingerprint on the terminal chunk, or on the usage chunk when the
+# client asked for usage (the proxy always asks, and must put it back where it belongs).
+FINGERPRINTED = {**SCRIPT, "fingerprint": "vllm-0.32.0-1a2b3c4d"}
 
 
-def raw_stream(base: str, path: str, body: dict[str, Any]) -> bytes:
-    with httpx.stream("POST", base + path, json=body, headers=HEADERS) as response:
+def raw_stream(base: str, path: str, body: dict[str, Any],
+               script: dict[str, Any] = SCRIPT) -> bytes:
+    headers = {"x-script": orjson.dumps(script).decode()}
+    with httpx.stream("POST", base + path, json=body, headers=headers) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         assert "content-length" not in response.headers
         return response.read()
 
 
+@pytest.mark.parametrize("script", [SCRIPT, FINGERPRINTED], ids=["plain", "fingerprint"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize(
     "stream_options",
@@ -31,16 +37,19 @@ def raw_stream(base: str, path: str, body: dict[str, Any]) -> bytes:
      {"include_usage": True, "continuous_usage_stats": True}],
 )
 def test_stream_bytes_equal_the_upstream_s(
-    proxy: Proxy, scripted_url: str, path: str, stream_options: dict[str, bool] | None
+    proxy: Proxy, scripted_url: str, path: str, stream_options: dict[str, bool] | None,
+    script: dict[str, Any],
 ) -> None:
     body: dict[str, Any] = {"model": "scripted", "stream": True}
     body["messages" if "chat" in path else "prompt"] = (
         [{"role": "user", "content": "x"}] if "chat" in path else "x")
     if stream_options is not None:
         body["stream_options"] = stream_options
-    direct = raw_stream(scripted_url, path, body)
-    proxied = raw_stream(proxy.url, path, body)
+    direct = raw_stream(scripted_url, path, body, script)
+    proxied = raw_stream(proxy.url, path, body, script)
     assert proxied == direct
+    if script is FINGERPRINTED:  # the client got the fingerprint, exactly once
+        assert proxied.count(b'"system_fingerprint":"vllm-0.32.0-1a2b3c4d"') == 1
     # ...while phasewatch still counted tokens exactly, from the usage it asked for itself.
     record = proxy.next_record()
     assert record.output_tokens == 4 and record.tokens_exact and record.itl_count == 3

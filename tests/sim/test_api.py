@@ -8,6 +8,7 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from app.sim import RunningSim
+from app.sim.api import SYSTEM_FINGERPRINT
 from app.sim.tokenizer import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -41,9 +42,11 @@ def test_completion_chunks_have_vllms_shape_and_key_order(sim: RunningSim) -> No
         sim, "/v1/completions", {"prompt": "a b c", "max_tokens": 2, "stream": True}
     )
     assert events[-1] == b"[DONE]"
-    first = orjson.loads(events[0])
-    assert list(first) == ["id", "object", "created", "model", "choices", "usage"]
-    assert first["usage"] is None and first["object"] == "text_completion"
+    first, *_, last = (orjson.loads(e) for e in events[:-1])
+    # vLLM 0.32's exclude_unset: no `"usage":null` (0.10 wrote it); the fingerprint only on the
+    # terminal chunk, and last.
+    assert list(first) == ["id", "object", "created", "model", "choices"]
+    assert first["object"] == "text_completion"
     assert list(first["choices"][0]) == [
         "index",
         "text",
@@ -51,6 +54,9 @@ def test_completion_chunks_have_vllms_shape_and_key_order(sim: RunningSim) -> No
         "finish_reason",
         "stop_reason",
     ]
+    assert list(last) == ["id", "object", "created", "model", "choices", "system_fingerprint"]
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert last["system_fingerprint"] == SYSTEM_FINGERPRINT
     assert b" " not in events[0].split(b'"text":')[0]  # compact JSON
 
 
@@ -66,6 +72,8 @@ def test_chat_stream_starts_role_only_and_ends_with_usage_then_done(sim: Running
     assert events[-1] == b"[DONE]"
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "usage" not in chunks[0]  # exclude_unset: no usage key on ordinary chunks
+    # With include_usage, vLLM 0.32 stamps the fingerprint on the usage chunk, not the terminal.
+    assert [list(c)[-1] for c in chunks[-2:]] == ["choices", "system_fingerprint"]
     assert all(list(c["choices"][0]["delta"]) == ["content"] for c in chunks[1:-1])
     words = sum(len(c["choices"][0]["delta"]["content"].split()) for c in chunks[1:-1])
     assert words == 3  # one word per token (a lagging reader may get several in one chunk)
@@ -106,7 +114,7 @@ def test_continuous_usage_needs_include_usage(sim: RunningSim) -> None:
         "stream_options": {"include_usage": False, "continuous_usage_stats": True},
     }
     chunks = [orjson.loads(e) for e in raw_events(sim, "/v1/completions", body)[:-1]]
-    assert all(c["usage"] is None for c in chunks) and all(c["choices"] for c in chunks)
+    assert all("usage" not in c for c in chunks) and all(c["choices"] for c in chunks)
 
 
 def test_non_streaming_completion_and_chat(client: OpenAI) -> None:

@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible upstream for tests: emits chunks at the times a test asks for.
 
 The request's `x-script` header (JSON) says what to send and when, relative to the moment the
-request arrived; chunks follow vLLM's shapes and honour `stream_options` as vLLM does. Each
+request arrived; chunks follow vLLM 0.32's shapes (set fields only: no `usage` key unless
+continuous usage) and honour `stream_options` as vLLM does. Each
 request's log (what arrived, the CLOCK_MONOTONIC ns at which each chunk was written, whether the
 client went away) is served at `GET /_log/{x-request-id}`. Run it as
 `python -m uvicorn tests.support.scripted_upstream:app --port N`.
@@ -12,6 +13,14 @@ true); `role_at` (s); `prompt_tokens`; `status` and `delay` (an error status, se
 `split` (write every event in two pieces, 5 ms apart); `done` (send [DONE], default true);
 `pad` (repeat each token's text this many times, for streams bigger than any buffer);
 `linger` (s to wait after [DONE] before ending the body, as an engine may).
+
+After the tokens, each choice that has not finished gets a terminal chunk (empty text,
+finish_reason `length`), then the include_usage chunk if asked for, then [DONE]. More keys:
+`n` (choices, default 1: a token entry may add the choice index and a finish reason,
+[t_s, text, n_tokens, index, finish], which makes it that choice's terminal chunk);
+`fingerprint` (a string: stamp it as vLLM 0.32 does, as `system_fingerprint` on each terminal
+chunk without include_usage, else on the usage chunk only); `usage_at` (s: when to write the
+usage chunk, instead of right after the terminal chunks).
 """
 
 from __future__ import annotations
@@ -26,21 +35,19 @@ LOG: dict[str, dict[str, Any]] = {}
 
 
 def _chunk(endpoint: str, model: str, text: str | None, role: bool, usage: Any,
-           include_usage_key: bool, finish: str | None = None) -> dict[str, Any]:
+           finish: str | None = None, index: int = 0) -> dict[str, Any]:
     if endpoint == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
                                   "finish_reason": finish}
         obj: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk",
                                "created": 1, "model": model, "choices": [choice]}
-        if usage is not None:
-            obj["usage"] = usage
-        return obj
-    obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
-           "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                        "finish_reason": finish, "stop_reason": None}]}
-    if include_usage_key:
-        obj["usage"] = usage  # vLLM writes completion chunks with every field
+    else:
+        obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model,
+               "choices": [{"index": index, "text": text or "", "logprobs": None,
+                            "finish_reason": finish, "stop_reason": None}]}
+    if usage is not None:  # vLLM 0.32 dumps set fields only: no `"usage":null`
+        obj["usage"] = usage
     return obj
 
 
@@ -161,9 +168,16 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         count = 0
         if endpoint == "chat" and script.get("role", True):
             await at(script.get("role_at", 0.0))
-            await emit(_chunk(endpoint, model, None, True, usage_for(0) if continuous else None,
-                              True))
-        for offset, text, n in tokens:
+            await emit(_chunk(endpoint, model, None, True, usage_for(0) if continuous else None))
+        fingerprint = script.get("fingerprint")
+        unfinished = list(range(script.get("n", 1)))
+
+        def terminal(obj: dict[str, Any]) -> dict[str, Any]:
+            if fingerprint is not None and not include_usage:
+                obj["system_fingerprint"] = fingerprint
+            return obj
+
+        for offset, text, n, *choice in tokens:
             if "drop_at" in script and offset >= script["drop_at"]:
                 await at(script["drop_at"])
                 raise ConnectionAbortedError("scripted drop")
@@ -177,14 +191,26 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if disconnected.is_set():
                 return
             count += n
-            await emit(_chunk(endpoint, model, text * script.get("pad", 1), False,
-                              usage_for(count) if continuous else None, True))
+            index = choice[0] if choice else 0
+            finish = choice[1] if len(choice) > 1 else None
+            chunk = _chunk(endpoint, model, text * script.get("pad", 1), False,
+                           usage_for(count) if continuous else None, finish, index)
+            if finish is not None:
+                unfinished.remove(index)
+                chunk = terminal(chunk)
+            await emit(chunk)
         else:
-            await emit(_chunk(endpoint, model, "", False, usage_for(count) if continuous else None,
-                              True, finish="length"))
+            for index in unfinished:
+                await emit(terminal(_chunk(endpoint, model, "", False,
+                                           usage_for(count) if continuous else None,
+                                           "length", index)))
             if include_usage:
-                final = {"id": "x", "object": "chunk", "created": 1, "model": model,
-                         "choices": [], "usage": usage_for(count)}
+                final: dict[str, Any] = {"id": "x", "object": "chunk", "created": 1,
+                                         "model": model, "choices": [], "usage": usage_for(count)}
+                if fingerprint is not None:
+                    final["system_fingerprint"] = fingerprint
+                if "usage_at" in script:
+                    await at(script["usage_at"])
                 await emit(final)
             if script.get("done", True):
                 await emit(b"[DONE]")

@@ -19,9 +19,9 @@ from tests.vllm.streams import output_text, stream, token_prompt
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
-# Top-level keys of each chunk, in vLLM 0.32's order. The simulator (vLLM 0.10) sends the same
-# minus `prompt_token_ids`/`prompt_text` on the chat role chunk and `system_fingerprint` on the
-# terminal chunk; its completion chunks also end with `"usage":null`, which 0.32 no longer sends.
+# Top-level keys of each chunk, in vLLM 0.32's order. The simulator sends the same minus
+# `prompt_token_ids`/`prompt_text` on the chat role chunk (docs/simulator.md says which parts
+# follow 0.10 and which 0.32).
 CHAT_ROLE_KEYS = ["id", "object", "created", "model", "choices", "prompt_token_ids", "prompt_text"]
 CHAT_KEYS = ["id", "object", "created", "model", "choices"]
 COMPLETION_KEYS = ["id", "object", "created", "model", "choices"]
@@ -73,7 +73,7 @@ def test_completion_stream_shape(vllm_server: VLLMServer) -> None:
     chunks = result.chunks
     assert 1 <= len(chunks) <= 4 and output_text(chunks[0])
     for chunk in chunks[:-1]:
-        # No `"usage":null` any more (0.10, and the simulator, wrote every field).
+        # No `"usage":null` any more (0.10 wrote every field).
         assert list(chunk) == COMPLETION_KEYS
         assert list(chunk["choices"][0]) == COMPLETION_CHOICE_KEYS
         assert chunk["object"] == "text_completion"
