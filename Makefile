@@ -20,10 +20,11 @@ up: install
 	$(BIN)/phasewatch up
 
 lint: install
-	$(BIN)/ruff check app tests benchmarks
+	$(BIN)/ruff check app tests benchmarks grafana
 
 typecheck: install
 	$(BIN)/mypy
+	$(BIN)/mypy grafana/dashboards.py
 
 # The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
