@@ -18,6 +18,7 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.store.models import Diagnosis, RequestRow
+from app.store.queries import page
 
 # What one observation needs, in this order (see app/diagnosis/observations.py).
 OBSERVATION_COLUMNS = (
@@ -108,12 +109,9 @@ async def list_diagnoses(
     session: AsyncSession, model: str | None, limit: int, cursor: int | None
 ) -> tuple[Sequence[Diagnosis], int | None]:
     """Stored verdict changes, newest first; keyset-paginated by id."""
-    query = select(Diagnosis).order_by(Diagnosis.id.desc()).limit(limit + 1)
+    query = select(Diagnosis).order_by(Diagnosis.id.desc())
     if model is not None:
         query = query.where(Diagnosis.model == model)
     if cursor is not None:
         query = query.where(Diagnosis.id < cursor)
-    rows = (await session.scalars(query)).all()
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return rows, (rows[-1].id if more and rows else None)
+    return await page(session, query, limit, lambda row: row.id)

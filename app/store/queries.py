@@ -8,7 +8,7 @@ same at row 10 as at row 10 million. Aggregates read only the rows of their wind
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
@@ -21,6 +21,8 @@ from app.core.quantiles import percentiles
 from app.store.models import RequestRow, Run
 
 SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
+RowT = TypeVar("RowT")
+KeyT = TypeVar("KeyT")
 GroupBy = Literal["model", "endpoint", "none"]
 QS = (0.50, 0.90, 0.95, 0.99)
 
@@ -54,23 +56,31 @@ def _filtered(query: SelectT, f: RequestFilter) -> SelectT:
     return query
 
 
+async def page(
+    session: AsyncSession, query: Select[RowT], limit: int, key: Callable[[RowT], KeyT]
+) -> tuple[Sequence[RowT], KeyT | None]:
+    """One keyset page of an ordered query: up to `limit` rows, and the cursor of the next page
+    (the last row's key) when there are more."""
+    rows = (await session.scalars(query.limit(limit + 1))).all()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (key(rows[-1]) if more and rows else None)
+
+
 async def list_requests(
     session: AsyncSession, f: RequestFilter, limit: int, cursor: int | None
 ) -> tuple[Sequence[RequestRow], int | None]:
-    query = _filtered(select(RequestRow), f).order_by(RequestRow.id.desc()).limit(limit + 1)
+    query = _filtered(select(RequestRow), f).order_by(RequestRow.id.desc())
     if cursor is not None:
         query = query.where(RequestRow.id < cursor)
-    rows = (await session.scalars(query)).all()
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return rows, (rows[-1].id if more and rows else None)
+    return await page(session, query, limit, lambda row: row.id)
 
 
 async def list_runs(
     session: AsyncSession, since: datetime | None, until: datetime | None, kind: str | None,
     limit: int, cursor: datetime | None,
 ) -> tuple[Sequence[Run], datetime | None]:
-    query = select(Run).order_by(Run.started_at.desc()).limit(limit + 1)
+    query = select(Run).order_by(Run.started_at.desc())
     if since is not None:
         query = query.where(Run.started_at >= since)
     if until is not None:
@@ -79,10 +89,7 @@ async def list_runs(
         query = query.where(Run.kind == kind)
     if cursor is not None:
         query = query.where(Run.started_at < cursor)
-    runs = (await session.scalars(query)).all()
-    more = len(runs) > limit
-    runs = runs[:limit]
-    return runs, (runs[-1].started_at if more and runs else None)
+    return await page(session, query, limit, lambda run: run.started_at)
 
 
 async def get_run(session: AsyncSession, run_id: str) -> Run | None:
