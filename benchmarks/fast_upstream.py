@@ -228,7 +228,12 @@ class UpstreamProtocol(asyncio.Protocol):
         options = body.get("stream_options") or {}
         include_usage = options.get("include_usage") is True
         continuous = include_usage and options.get("continuous_usage_stats") is True
-        await self._stream(_ChunkWriter(chat, rid, model, continuous), tokens, include_usage)
+        # A benchmark may set the decode pace per request (`x_interval_ms`, not an OpenAI field),
+        # so one upstream serves every shape of a run at an equal chunk rate.
+        interval_ms = body.get("x_interval_ms")
+        interval_s = interval_ms / 1000 if interval_ms else self.config.interval_s
+        await self._stream(_ChunkWriter(chat, rid, model, continuous), tokens, include_usage,
+                           interval_s)
 
     def _respond_json(self, status: int, payload: bytes) -> None:
         self._write(
@@ -236,11 +241,12 @@ class UpstreamProtocol(asyncio.Protocol):
             % (status, b"OK" if status == 200 else b"Error", len(payload), payload)
         )
 
-    async def _stream(self, writer: _ChunkWriter, tokens: int, include_usage: bool) -> None:
+    async def _stream(self, writer: _ChunkWriter, tokens: int, include_usage: bool,
+                      interval_s: float) -> None:
         self._write(_STREAM_HEADERS)
         if writer.chat:
             self._write(_frame(writer.role(time.monotonic_ns())))
-        stream = _Stream(self, writer, tokens, include_usage)
+        stream = _Stream(self, writer, tokens, include_usage, interval_s)
         stream.schedule()
         await stream.finished
 
@@ -252,16 +258,17 @@ class _Stream:
     small, so more of the machine is left to the proxy being measured.
     """
 
-    __slots__ = ("config", "finished", "i", "include_usage", "loop", "proto", "start",
-                 "tokens", "writer")
+    __slots__ = ("config", "finished", "i", "include_usage", "interval_s", "loop", "proto",
+                 "start", "tokens", "writer")
 
     def __init__(self, proto: UpstreamProtocol, writer: _ChunkWriter, tokens: int,
-                 include_usage: bool) -> None:
+                 include_usage: bool, interval_s: float) -> None:
         self.proto = proto
         self.writer = writer
         self.tokens = tokens
         self.include_usage = include_usage
         self.config = proto.config
+        self.interval_s = interval_s
         self.loop = asyncio.get_running_loop()
         self.start = self.loop.time()
         self.i = 0
@@ -269,7 +276,7 @@ class _Stream:
 
     def schedule(self) -> None:
         # Absolute deadlines: the pace of a decode, without drift from late wake-ups.
-        when = self.start + self.config.first_delay_s + self.i * self.config.interval_s
+        when = self.start + self.config.first_delay_s + self.i * self.interval_s
         self.loop.call_at(when, self.tick)
 
     def tick(self) -> None:

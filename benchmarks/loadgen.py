@@ -74,8 +74,11 @@ class Results:
         }
 
 
-def request_body(chat: bool, tokens: int, client_usage: str) -> bytes:
+def request_body(chat: bool, tokens: int, client_usage: str,
+                 interval_ms: float | None = None) -> bytes:
     body: dict[str, Any] = {"model": "bench", "max_tokens": tokens, "stream": True}
+    if interval_ms:  # fast_upstream.py's per-request decode pace
+        body["x_interval_ms"] = interval_ms
     if chat:
         body["messages"] = [{"role": "user", "content": "hello"}]
     else:
@@ -167,7 +170,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     res = Results()
     chat = args.endpoint == "chat"
     url = args.url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
-    body = request_body(chat, args.tokens, args.client_usage)
+    body = request_body(chat, args.tokens, args.client_usage, args.interval_ms)
     arrivals = [
         t for i, t in enumerate(poisson_schedule(args.rate, args.duration, args.seed))
         if i % args.shards == args.shard
@@ -218,6 +221,8 @@ def main() -> None:
     parser.add_argument("--client-usage", choices=["none", "final", "continuous"],
                         default="none", help="stream_options the client sends")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
+    parser.add_argument("--interval-ms", type=float, default=None,
+                        help="ask fast_upstream.py for this gap between chunks (default: its own)")
     parser.add_argument("--rate", type=float, required=True, help="arrivals per second")
     parser.add_argument("--duration", type=float, required=True, help="seconds of arrivals")
     parser.add_argument("--warmup", type=float, default=0.0,

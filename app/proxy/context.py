@@ -9,14 +9,16 @@ import aiohttp
 from app.core.metrics import ProxyMetrics
 from app.core.records import RecordQueue
 from app.core.settings import Settings
-from app.proxy.exchange import IdleWatchdog
 from app.proxy.labels import ModelLabels
+from app.proxy.upstream_pool import UpstreamPool
+from app.proxy.watchdog import IdleWatchdog
 
 
 @dataclass(slots=True)
 class ProxyContext:
     settings: Settings
-    session: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # the pass-through's client (not the hot path)
+    pool: UpstreamPool  # the timed relay's upstream connections
     metrics: ProxyMetrics
     labels: ModelLabels
     records: RecordQueue

@@ -1,46 +1,38 @@
 """The hot path: relay one inference request and time its stream as the client sees it.
 
-Bytes are forwarded as they arrive, one `perf_counter_ns()` per read. Each complete SSE event
-is classified (one small JSON parse) for timing; nothing else is parsed, validated or copied.
-When phasewatch asked the upstream for usage the client did not want, the stream is forwarded
-event by event with that usage cut out; otherwise each read is forwarded as it came.
+The request is read through ASGI and sent upstream on a pooled connection
+(`upstream_pool.py`). From then on the exchange is driven by the upstream connection's read
+callbacks: each read is timed when it arrives (one `perf_counter_ns()`), classified event by
+event for timing (`stream.py`) and, under phasewatch's own server, written straight onto the
+client's transport (`client_leg.py`): no task wake-up and no ASGI message per chunk. The
+relay's coroutine wakes only for the response's head and its end. Under another ASGI server
+the same bytes go out as ASGI messages.
 
-Cutting the closing usage chunk would lose vLLM's `system_fingerprint`, which vLLM puts there
-when usage is asked for and on the terminal chunk (finish_reason set) when it is not. So while
-that chunk is to be cut, a terminal chunk is held until the next event (vLLM writes the usage
-chunk right after it) and forwarded with the fingerprint spliced in, byte for byte what vLLM
-would have sent. Timing is unaffected: every event is timed when its read returns. (With n > 1
-a terminal chunk followed by another choice's tokens goes out as it came: the fingerprint is
-not known yet, and holding the chunk to the end would delay its choice.)
-
-The record is finished in `finally` and handed to a bounded queue: the relay never waits for
+How an exchange ends is one value, `Phase`, moved in one place (`_move`): the upstream ended
+its body, the upstream broke off, the client left, or the idle watchdog found it silent. The
+record is finished in `finally` and handed to a bounded queue: the relay never waits for
 storage, and nothing that goes wrong in metrics or records can break a client's stream.
-A client that leaves cancels the relay, which closes the upstream response at once, so the
-engine aborts the request instead of generating for nobody.
+A client that leaves makes the relay close its upstream connection at once, so the engine
+aborts the request instead of generating for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections.abc import Coroutine
 from datetime import UTC, datetime
+from enum import Enum
 from time import perf_counter_ns
+from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 
-from app.core.events import (
-    EventInfo,
-    Kind,
-    add_fingerprint,
-    classify,
-    strip_usage,
-    system_fingerprint,
-)
 from app.core.records import Outcome, RequestRecord
-from app.core.sse import SSEDecoder, event_data
 from app.proxy.asgi import (
+    HOP_BY_HOP,
     REQUEST_ID,
     RUN_ID,
     ClientGone,
@@ -53,24 +45,46 @@ from app.proxy.asgi import (
     read_body,
     send_error,
     send_full,
-    upstream_request_headers,
 )
+from app.proxy.client_leg import ClientLeg, client_leg
 from app.proxy.context import ProxyContext
-from app.proxy.exchange import Exchange
 from app.proxy.finish import finish
 from app.proxy.request_plan import RequestPlan, plan_request
-from app.proxy.timing import StreamTiming
+from app.proxy.stream import StreamFeed
+from app.proxy.timing import NS, StreamTiming
+from app.proxy.upstream_pool import UpstreamConnection
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 _DONE_EVENT = b"data: [DONE]\n\n"
+# Output waiting for a blocked ASGI send (other servers only) past which the upstream is paused.
+_PENDING_LIMIT = 1 << 16
+
+T = TypeVar("T")
+
+
+class Phase(Enum):
+    """Where an exchange is. The last four are endings; only `_move` changes the phase."""
+
+    CONNECTING = "connecting"  # no upstream connection yet
+    WAITING = "waiting"  # the request is sent; no response head yet (queue, prefill)
+    STREAMING = "streaming"  # a 200 event stream is being forwarded
+    READING = "reading"  # a whole answer (not streamed, or an error status) is being read
+    ENDED = "ended"  # the upstream ended its body
+    BROKEN = "broken"  # the upstream connection closed or broke before the body ended
+    CLIENT_GONE = "client_gone"  # the client disconnected before it had its answer
+    IDLE_TIMEOUT = "idle_timeout"  # the upstream sent nothing for the idle timeout
+
+
+_ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_TIMEOUT})
 
 
 async def relay(
     ctx: ProxyContext, endpoint: str, scope: Scope, receive: Receive, send: Send
 ) -> None:
-    arrival_ns = perf_counter_ns()
+    leg = client_leg(scope)
+    arrival_ns = leg.arrival_ns if leg is not None else perf_counter_ns()
     timing = StreamTiming(arrival_ns)
     request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or uuid.uuid4().hex
     run_id = header(scope, RUN_ID)
@@ -92,7 +106,8 @@ async def relay(
         body = await read_body(receive)
         plan = plan_request(body, ctx.settings.upstream_continuous_usage)
         record.model, record.stream = plan.model, plan.stream
-        await _exchange(ctx, scope, receive, send, plan, record, timing)
+        ctx.metrics.proxy_queue.observe((perf_counter_ns() - arrival_ns) / NS)
+        await Exchange(ctx, scope, plan, record, timing, leg).run(receive, send)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
     finally:
@@ -103,236 +118,343 @@ async def relay(
         finish(ctx, record, timing)
 
 
-async def _exchange(
-    ctx: ProxyContext,
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    plan: RequestPlan,
-    record: RequestRecord,
-    timing: StreamTiming,
-) -> None:
-    task = asyncio.current_task()
-    assert task is not None
-    state = Exchange(task, timing.arrival_ns)
-    ctx.watchdog.watch(state)
+class Exchange:
+    """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
 
-    async def watch_disconnect() -> None:
+    __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
+                 "_headers", "_leg", "_lost", "_pending", "_pending_size", "_plan", "_record",
+                 "_responded", "_scope", "_status", "_task", "_timing", "_wake", "last_read_ns",
+                 "phase")
+
+    def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
+                 record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None) -> None:
+        self._ctx = ctx
+        self._scope = scope
+        self._plan = plan
+        self._record = record
+        self._timing = timing
+        self._leg = leg
+        self.phase = Phase.CONNECTING
+        self.last_read_ns = timing.arrival_ns  # the last time the upstream sent anything
+        self._wake: asyncio.Future[None] | None = None
+        self._conn: UpstreamConnection | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._status = 0
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._feed: StreamFeed | None = None
+        self._pending: list[bytes] = []  # output the client has not been sent yet
+        self._pending_size = 0
+        self._direct = False  # output goes straight onto the client's transport
+        self._blocked_in_send = False  # (other servers) waiting in an ASGI send
+        self._responded = False  # the upstream sent a byte of its response
+        self._end_ns = 0
+        self._lost = ""
+
+    # -- moving the phase -------------------------------------------------------------------
+
+    def _move(self, to: Phase) -> None:
+        self.phase = to
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    async def _next(self) -> None:
+        """Sleep until the phase moves (or, on other servers, output is pending)."""
+        self._wake = asyncio.get_running_loop().create_future()
+        try:
+            await self._wake
+        finally:
+            self._wake = None
+
+    def client_gone(self) -> None:
+        """The client disconnected. After [DONE] it has its whole answer: that cancels nothing."""
+        if self.phase not in _ENDINGS and not (self._feed is not None and self._feed.done):
+            self._move(Phase.CLIENT_GONE)
+
+    def idle_timeout(self) -> None:
+        """Called by the watchdog: nothing came from the upstream for the idle timeout."""
+        if self.phase in _ENDINGS:
+            return
+        self._move(Phase.IDLE_TIMEOUT)
+        if self._blocked_in_send and self._task is not None:
+            self._task.cancel()  # (other servers) a send the client will never drain
+
+    # -- UpstreamHandler: called from the upstream connection's read callbacks ----------------
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.phase is not Phase.WAITING:
+            return
+        self.last_read_ns = perf_counter_ns()
+        self._responded = True
+        self._status, self._headers = status, headers
+        if status == 200 and _content_type(headers).startswith(b"text/event-stream"):
+            self._feed = StreamFeed(self._plan, self._record, self._timing)
+            self._move(Phase.STREAMING)
+        else:
+            self._move(Phase.READING)
+
+    def on_body(self, data: bytes, now_ns: int) -> None:
+        self.last_read_ns = now_ns
+        feed = self._feed
+        if self.phase is not Phase.STREAMING or feed is None:
+            if self.phase is Phase.READING:
+                self._body.append(data)
+            return
+        was_done = feed.done
+        out = feed.feed(data, now_ns)
+        if feed.done and not was_done:
+            # [DONE] goes out with this read: the exchange is complete as the client sees it.
+            # The upstream may end its body a moment later, and a client may close at [DONE]
+            # (the openai SDK does) before then; neither makes the request cancelled or longer.
+            self._timing.end_ns = now_ns
+        if not out:
+            return
+        if self._direct:
+            assert self._leg is not None
+            self._leg.write_chunk(out)
+            return
+        self._pending.append(out)
+        self._pending_size += len(out)
+        if self._pending_size > _PENDING_LIMIT and self._conn is not None:
+            self._conn.pause_reading()
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def on_end(self, now_ns: int) -> None:
+        if self.phase in (Phase.STREAMING, Phase.READING):
+            self._end_ns = now_ns
+            self._move(Phase.ENDED)
+
+    def on_lost(self, reason: str, responded: bool) -> None:
+        if self.phase not in _ENDINGS:
+            self._lost = reason
+            self._responded = self._responded or responded
+            self._move(Phase.BROKEN)
+
+    # -- the coroutine ----------------------------------------------------------------------
+
+    async def run(self, receive: Receive, send: Send) -> None:
+        self._task = asyncio.current_task()
+        watcher = asyncio.create_task(self._watch_disconnect(receive))
+        ctx = self._ctx
+        ctx.watchdog.watch(self)
+        try:
+            if await self._send_request(send):
+                if self._feed is not None:
+                    await self._stream(send)
+                else:
+                    await self._answer(send)
+        finally:
+            watcher.cancel()
+            ctx.watchdog.forget(self)
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                # Only a connection whose response ended cleanly is reused; closing any other
+                # is what tells the engine to abort the request.
+                conn.finish(reusable=self.phase is Phase.ENDED)
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not (state.responded or state.answered):
-            state.client_gone = True
-            task.cancel()
+        self.client_gone()
 
-    watcher = asyncio.create_task(watch_disconnect())
-    url = ctx.upstream + scope["path"]
-    if scope.get("query_string"):
-        url += "?" + scope["query_string"].decode("latin-1")
-    response: aiohttp.ClientResponse | None = None
-    try:
-        try:
-            response = await ctx.session.post(
-                url, data=plan.body, headers=upstream_request_headers(scope, record.request_id)
-            )
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                if not state.timed_out:
-                    raise
-                task.uncancel()
-            record.outcome = Outcome.TIMEOUT
-            record.error = "upstream timed out before answering"
-            state.responded = True
-            await send_error(send, 504, f"upstream {ctx.upstream} timed out", "upstream_timeout",
-                             record.request_id)
-            return
-        except aiohttp.ClientError as exc:
-            record.outcome = Outcome.UNREACHABLE
-            record.error = f"upstream unreachable: {type(exc).__name__}"
-            state.responded = True
-            await send_error(send, 502, f"upstream {ctx.upstream} is unreachable: {exc}",
-                             "upstream_unreachable", record.request_id)
-            return
-        record.http_status = response.status
-        content_type = response.headers.get("Content-Type", "")
-        if response.status == 200 and content_type.startswith("text/event-stream"):
-            await _relay_stream(ctx, send, response, plan, record, timing, state)
-        else:
-            await _relay_whole(send, response, record, timing, state)
-        response.release()
-    except asyncio.CancelledError:
-        if not state.client_gone:
-            raise
-        task.uncancel()
-        record.outcome = Outcome.CANCELLED
-    except OSError:  # the server reports a send to a client that has gone
-        record.outcome = Outcome.CANCELLED
-    finally:
-        watcher.cancel()
-        ctx.watchdog.forget(state)
-        if response is not None and record.outcome in (Outcome.CANCELLED, Outcome.TIMEOUT):
-            response.close()  # drop the upstream connection: the engine aborts the request
-
-
-async def _relay_whole(
-    send: Send,
-    response: aiohttp.ClientResponse,
-    record: RequestRecord,
-    timing: StreamTiming,
-    state: Exchange,
-) -> None:
-    """A non-streamed answer or an error status: read it whole, forward it unchanged."""
-    body = await response.read()
-    timing.end_ns = perf_counter_ns()
-    if 200 <= response.status < 300:
-        _read_usage(body, timing)
-    else:
-        record.outcome = Outcome.HTTP_ERROR
-        record.error = _error_type(body, response.status)
-    state.responded = True
-    headers = client_response_headers(response.raw_headers, record.request_id, len(body))
-    await send_full(send, response.status, headers, body)
-
-
-async def _relay_stream(
-    ctx: ProxyContext,
-    send: Send,
-    response: aiohttp.ClientResponse,
-    plan: RequestPlan,
-    record: RequestRecord,
-    timing: StreamTiming,
-    state: Exchange,
-) -> None:
-    headers = client_response_headers(response.raw_headers, record.request_id, None)
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    decoder = SSEDecoder()
-    rewrite = plan.strip_final_usage or plan.strip_chunk_usage
-    hold = plan.strip_final_usage  # the usage chunk, and the fingerprint on it, will be cut
-    held: list[bytes] = []  # terminal chunks waiting for the event after them
-    done = False
-    # True while the relay waits in a send: a stall there is the client's (it stopped reading,
-    # and back-pressure silenced the upstream), not the upstream's.
-    sending = False
-    try:
-        async for data in response.content.iter_any():
-            now = state.last_read_ns = perf_counter_ns()
-            if not rewrite:
-                for raw in decoder.decode(data):
-                    done = _note(raw, now, record, timing).kind is Kind.DONE or done
-                sending = True
-                await send({"type": "http.response.body", "body": data, "more_body": True})
-                sending = False
-                if done and not state.answered:
-                    _answered(state, timing, now)
+    async def _send_request(self, send: Send) -> bool:
+        """Connect (or reuse), send, wait for the head; False if the exchange ended without one
+        (the client has been answered, or has gone)."""
+        ctx, scope, record = self._ctx, self._scope, self._record
+        target: bytes = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != REQUEST_ID]
+        headers.append((REQUEST_ID, record.request_id.encode("latin-1")))
+        request = ctx.pool.request(b"POST", target, headers, self._plan.body)
+        for attempt in range(2):
+            conn = ctx.pool.take_idle()
+            if conn is None:
+                try:
+                    conn = await self._unless_ended(ctx.pool.connect())
+                except TimeoutError:
+                    return await self._refuse(send, Outcome.TIMEOUT, 504,
+                                              "upstream timed out before answering")
+                except OSError as exc:
+                    return await self._refuse(send, Outcome.UNREACHABLE, 502,
+                                              f"upstream unreachable: {type(exc).__name__}")
+                if conn is None:
+                    return await self._ended_before_head(send)
+            self._conn = conn
+            self._move(Phase.WAITING)
+            conn.send(self, request)
+            while self.phase is Phase.WAITING:
+                await self._next()
+            if self.phase is Phase.BROKEN and not self._responded and conn.reused and not attempt:
+                # The upstream closed this kept-alive connection as we reused it: once more.
+                self._conn = None
+                conn.close()
+                self._move(Phase.CONNECTING)
                 continue
-            parts: list[bytes] = []
-            for raw in decoder.decode(data):
-                info = _note(raw, now, record, timing)
-                kind = info.kind
-                done = kind is Kind.DONE or done
-                if kind is Kind.USAGE:
-                    if held:
-                        parts += _stamped(held, raw)
-                        held = []
-                    if plan.strip_final_usage:
-                        continue
-                else:
-                    if plan.strip_chunk_usage and b'"usage":' in raw:
-                        raw = strip_usage(raw)
-                    if hold:
-                        if info.finished:
-                            held.append(raw)
-                            continue
-                        if held:  # no usage chunk came next: nothing to stamp them with
-                            parts += held
-                            held = []
-                parts.append(raw)
-            if parts:
-                sending = True
-                await send(
-                    {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
-                )
-                sending = False
-            if done and not state.answered:
-                _answered(state, timing, now)
-    except asyncio.CancelledError:
-        if not state.timed_out:
-            raise
-        state.task.uncancel()
-        if sending:
-            # Another send would block the same way: end the exchange without one (the server
-            # closes the connection of a response left incomplete).
+            break
+        if self._status:  # the head arrived (the body may have ended with it already)
+            return True
+        return await self._ended_before_head(send)
+
+    async def _unless_ended(self, coro: Coroutine[Any, Any, T]) -> T | None:
+        """Await `coro` unless the exchange ends first (client gone, idle timeout)."""
+        task = asyncio.ensure_future(coro)
+        self._wake = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait((task, self._wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._wake = None
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            result = await task
+            if isinstance(result, UpstreamConnection):
+                result.close()
+        return None
+
+    async def _ended_before_head(self, send: Send) -> bool:
+        record = self._record
+        if self.phase is Phase.CLIENT_GONE:
+            record.outcome = Outcome.CANCELLED
+            return False
+        if self.phase is Phase.IDLE_TIMEOUT:
+            return await self._refuse(send, Outcome.TIMEOUT, 504,
+                                      "upstream timed out before answering")
+        return await self._refuse(send, Outcome.UNREACHABLE, 502,
+                                  f"upstream unreachable: {self._lost}")
+
+    async def _refuse(self, send: Send, outcome: Outcome, status: int, error: str) -> bool:
+        record = self._record
+        record.outcome = outcome
+        record.error = error
+        upstream = self._ctx.upstream
+        if status == 504:
+            message, kind = f"upstream {upstream} timed out", "upstream_timeout"
+        else:
+            message, kind = f"upstream {upstream} is unreachable: {error}", "upstream_unreachable"
+        await send_error(send, status, message, kind, record.request_id)
+        return False
+
+    async def _answer(self, send: Send) -> None:
+        """A non-streamed answer or an error status: read it whole, forward it unchanged."""
+        while self.phase is Phase.READING:
+            await self._next()
+        record, timing = self._record, self._timing
+        record.http_status = self._status
+        if self.phase is Phase.CLIENT_GONE:
+            record.outcome = Outcome.CANCELLED
+            return
+        if self.phase is Phase.IDLE_TIMEOUT:
+            await self._refuse(send, Outcome.TIMEOUT, 504, "upstream went silent past the idle "
+                               "timeout")
+            return
+        if self.phase is Phase.BROKEN:
+            record.outcome = Outcome.STREAM_ERROR
+            await send_error(send, 502, f"upstream {self._ctx.upstream} broke off its answer",
+                             "upstream_error", record.request_id)
+            record.error = f"upstream answer broke: {self._lost}"
+            return
+        body = b"".join(self._body)
+        timing.end_ns = self._end_ns
+        if 200 <= self._status < 300:
+            _read_usage(body, timing)
+        else:
+            record.outcome = Outcome.HTTP_ERROR
+            record.error = _error_type(body, self._status)
+        headers = client_response_headers(self._headers, record.request_id, len(body))
+        await send_full(send, self._status, headers, body)
+
+    async def _stream(self, send: Send) -> None:
+        record, timing, feed, leg = self._record, self._timing, self._feed, self._leg
+        assert feed is not None
+        record.http_status = 200
+        headers = client_response_headers(self._headers, record.request_id, None)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            if leg is not None and self.phase is not Phase.CLIENT_GONE:
+                # From here on, reads go straight to the client from the upstream's callback.
+                paused = self._pending_size > _PENDING_LIMIT
+                if self._pending:
+                    leg.write_chunk(b"".join(self._pending))
+                    self._pending, self._pending_size = [], 0
+                conn = self._conn
+                if conn is not None:
+                    leg.on_pause, leg.on_resume = conn.pause_reading, conn.resume_reading
+                    if paused and not leg.paused:
+                        conn.resume_reading()
+                self._direct = True
+                while self.phase is Phase.STREAMING:
+                    await self._next()
+            else:
+                await self._stream_over_asgi(send)
+        except asyncio.CancelledError:
+            if self.phase is not Phase.IDLE_TIMEOUT or self._task is None:
+                raise
+            self._task.uncancel()  # the watchdog ended a send the client would never drain
+        finally:
+            if leg is not None:
+                leg.on_pause = leg.on_resume = None
+        client_stalled = self._blocked_in_send or (leg is not None and leg.paused)
+        if self.phase is Phase.IDLE_TIMEOUT and client_stalled:
+            # The silence was back-pressure from a client that stopped reading. Another send
+            # would block the same way: end without one (the server closes the connection of a
+            # response left incomplete).
             record.outcome = Outcome.CANCELLED
             record.error = "client stopped reading past the idle timeout"
             timing.end_ns = perf_counter_ns()
-            state.responded = True
             return
-        if not done:  # after [DONE] the client has its whole answer: a lingering body is moot
-            record.outcome = Outcome.TIMEOUT
-            record.error = "upstream went silent past the idle timeout"
-    except aiohttp.ClientPayloadError as exc:
-        if not done:
+        if self.phase is Phase.CLIENT_GONE:
+            record.outcome = Outcome.CANCELLED
+            return
+        if not feed.done:
+            if self.phase is Phase.IDLE_TIMEOUT:
+                record.outcome = Outcome.TIMEOUT
+                record.error = "upstream went silent past the idle timeout"
+            elif self.phase is Phase.BROKEN:
+                record.outcome = Outcome.STREAM_ERROR
+                record.error = f"upstream stream broke: {self._lost}"
+        end_ns = timing.end_ns or (self._end_ns if self.phase is Phase.ENDED
+                                   else perf_counter_ns())
+        timing.end_ns = end_ns
+        rest = feed.end(end_ns)
+        tail = b""
+        if not feed.done and record.outcome is Outcome.OK:
             record.outcome = Outcome.STREAM_ERROR
-            record.error = f"upstream stream broke: {type(exc).__name__}"
-    end_ns = timing.end_ns if state.answered and timing.end_ns else perf_counter_ns()
-    timing.end_ns = end_ns
-    if held:  # the stream ended right after a terminal chunk: forward it as it came
-        await send({"type": "http.response.body", "body": b"".join(held), "more_body": True})
-    unterminated = decoder.flush()  # a last event without its blank line, or a broken one
-    for raw in unterminated:
-        done = _note(raw, end_ns, record, timing).kind is Kind.DONE or done
-        if rewrite:
-            await send({"type": "http.response.body", "body": raw, "more_body": True})
-    tail = b""
-    if not done and record.outcome is Outcome.OK:
-        record.outcome = Outcome.STREAM_ERROR
-        record.error = "upstream closed the stream before [DONE]"
-    if record.outcome in (Outcome.TIMEOUT, Outcome.STREAM_ERROR) and not done:
-        # Never leave the client hanging on a broken stream: say why, in-band, as vLLM does.
-        message = f"phasewatch: {record.error}"
-        error = error_body(message, "upstream_error", 502)
-        # End a half-sent event first, so the error is an event of its own.
-        tail = (b"\n\n" if unterminated else b"") + b"data: " + error + b"\n\n" + _DONE_EVENT
-    state.responded = True
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+            record.error = "upstream closed the stream before [DONE]"
+        if record.outcome in (Outcome.TIMEOUT, Outcome.STREAM_ERROR) and not feed.done:
+            # Never leave the client hanging on a broken stream: say why, in-band, as vLLM does.
+            error = error_body(f"phasewatch: {record.error}", "upstream_error", 502)
+            # End a half-sent event first, so the error is an event of its own.
+            tail = (b"\n\n" if feed.unterminated else b"") + b"data: " + error + b"\n\n" + _DONE_EVENT
+        await send({"type": "http.response.body", "body": rest + tail, "more_body": False})
+
+    async def _stream_over_asgi(self, send: Send) -> None:
+        """Under a server without the client leg: forward pending output as ASGI messages."""
+        while True:
+            if self._pending:
+                data = b"".join(self._pending)
+                self._pending = []
+                self._pending_size = 0
+                if self._conn is not None:
+                    self._conn.resume_reading()
+                self._blocked_in_send = True
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                self._blocked_in_send = False
+                continue
+            if self.phase is not Phase.STREAMING:
+                return
+            await self._next()
 
 
-def _answered(state: Exchange, timing: StreamTiming, now: int) -> None:
-    """[DONE] has been forwarded: the exchange is complete as the client sees it.
-
-    The upstream may end its body a moment later, and a client may close at [DONE] (the openai
-    SDK does) before then; neither makes the request cancelled or longer.
-    """
-    state.answered = True
-    timing.end_ns = now
-
-
-def _stamped(held: list[bytes], usage_event: bytes) -> list[bytes]:
-    """Held terminal chunks with the usage chunk's fingerprint, where vLLM would have put it;
-    unchanged when it has none (fingerprints off, or not a vLLM)."""
-    fingerprint = system_fingerprint(usage_event)
-    if fingerprint is None:
-        return held
-    return [add_fingerprint(raw, fingerprint) for raw in held]
-
-
-_COMMENT = EventInfo(Kind.OTHER)
-
-
-def _note(raw: bytes, now: int, record: RequestRecord, timing: StreamTiming) -> EventInfo:
-    """Update timing from one raw event; return what it is (OTHER for a comment-only event)."""
-    data = event_data(raw)
-    if data is None:
-        return _COMMENT
-    info = classify(data)
-    if info.has_usage:
-        timing.completion_tokens = info.completion_tokens
-        timing.prompt_tokens = info.prompt_tokens
-    if info.kind is Kind.OUTPUT:
-        timing.output(now, info.completion_tokens, info.chars)
-    elif info.kind is Kind.ERROR and record.outcome is Outcome.OK:
-        record.outcome = Outcome.STREAM_ERROR
-        record.error = "in-band error from upstream"
-    return info
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.lower()
+    return b""
 
 
 def _read_usage(body: bytes, timing: StreamTiming) -> None:

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 import httpx
 import uvicorn
 
+from app.proxy.client_leg import PhasewatchHttpProtocol
+
 T = TypeVar("T")
 
 
@@ -38,7 +40,7 @@ class ThreadServer:
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-            loop="asyncio", http="httptools", timeout_graceful_shutdown=5,
+            loop="asyncio", http=PhasewatchHttpProtocol, timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -1,0 +1,100 @@
+"""phasewatch's HTTP server protocol: uvicorn's httptools protocol plus what the relay needs.
+
+Two additions, offered to the app as the ASGI scope extension `phasewatch.client_leg`:
+- the request's arrival, read with `perf_counter_ns()` when its first bytes come off the socket
+  (before the headers are parsed, the app is called or its task is scheduled), so the time a
+  request waits inside the proxy is inside its TTFT and visible in the queueing histogram;
+- a direct writer for a streamed response's body: the relay writes each read from the upstream
+  onto the client's transport, framed as HTTP/1.1 chunks, from the upstream's read callback,
+  instead of one ASGI message (and task wake-up) per chunk. The writer tells the relay when
+  the client's socket buffer fills and drains, so the relay stops and resumes reading from
+  the upstream: back-pressure reaches the engine as it would through a plain TCP proxy.
+
+Everything else (parsing, keep-alive, pipelining, graceful shutdown, every other route) is
+uvicorn's. Under another ASGI server the extension is absent and the relay falls back to ASGI
+messages, with the same bytes and the same timing definitions (arrival is then when the app
+is called).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+CLIENT_LEG = "phasewatch.client_leg"
+
+
+class ClientLeg:
+    """One request's view of its client connection, beyond ASGI."""
+
+    __slots__ = ("_cycle", "arrival_ns", "on_pause", "on_resume")
+
+    def __init__(self, arrival_ns: int) -> None:
+        self.arrival_ns = arrival_ns
+        self._cycle: RequestResponseCycle | None = None
+        # Set by the relay while it writes directly: called as the client's buffer fills/drains.
+        self.on_pause: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
+
+    @property
+    def paused(self) -> bool:
+        """The client's socket buffer is full: it is not reading as fast as we write."""
+        cycle = self._cycle
+        return cycle is not None and cycle.flow.write_paused and not cycle.disconnected
+
+    def write_chunk(self, data: bytes) -> None:
+        """Write one HTTP/1.1 chunk of the response body that ASGI started (chunked)."""
+        cycle = self._cycle
+        if cycle is None or cycle.disconnected or cycle.response_complete:
+            return
+        transport = cycle.transport
+        if not transport.is_closing():
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
+class PhasewatchHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, stamping arrivals and offering the direct writer."""
+
+    _read_ns = 0
+    _leg: ClientLeg | None = None
+
+    def data_received(self, data: bytes) -> None:
+        self._read_ns = perf_counter_ns()
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._leg = ClientLeg(self._read_ns)
+        self.scope["extensions"] = {CLIENT_LEG: self._leg}
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._leg is not None:
+            self._leg._cycle = self.cycle
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        leg = self._writing_leg()
+        if leg is not None and leg.on_pause is not None:
+            leg.on_pause()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        leg = self._writing_leg()
+        if leg is not None and leg.on_resume is not None:
+            leg.on_resume()
+
+    def _writing_leg(self) -> ClientLeg | None:
+        cycle = self.cycle
+        if cycle is None:
+            return None
+        leg: Any = cycle.scope.get("extensions", {}).get(CLIENT_LEG)
+        return leg if isinstance(leg, ClientLeg) else None
+
+
+def client_leg(scope: Any) -> ClientLeg | None:
+    leg = scope.get("extensions", {}).get(CLIENT_LEG)
+    return leg if isinstance(leg, ClientLeg) else None
