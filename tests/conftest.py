@@ -82,11 +82,12 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
     started: list[ThreadServer] = []
 
-    def make(upstream: str, **overrides: Any) -> Proxy:
+    def make(upstream: str, http: Any = None, **overrides: Any) -> Proxy:
+        """`http`: uvicorn's protocol to serve with; default phasewatch's (as `serve` runs)."""
         registry = CollectorRegistry()
         overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02, **overrides}
         settings = load_settings(upstream_url=upstream, **overrides)
-        server = ThreadServer(create_app(settings, registry=registry)).start()
+        server = ThreadServer(create_app(settings, registry=registry), http=http).start()
         started.append(server)
         return Proxy(server, registry)
 

@@ -43,6 +43,11 @@ class SSEDecoder:
         self._tail = buf[start:]
         return events
 
+    @property
+    def idle(self) -> bool:
+        """No unfinished event is waiting for more bytes."""
+        return not self._tail
+
     def flush(self) -> list[bytes]:
         """The unterminated last event, if the stream ended without a blank line."""
         tail, self._tail = self._tail, b""

@@ -4,6 +4,8 @@ Two additions, offered to the app as the ASGI scope extension `phasewatch.client
 - the request's arrival, read with `perf_counter_ns()` when its first bytes come off the socket
   (before the headers are parsed, the app is called or its task is scheduled), so the time a
   request waits inside the proxy is inside its TTFT and visible in the queueing histogram;
+- a disconnect callback, so the relay learns that its client left without a task per request
+  waiting on ASGI's `receive` for it;
 - a direct writer for a streamed response's body: the relay writes each read from the upstream
   onto the client's transport, framed as HTTP/1.1 chunks, from the upstream's read callback,
   instead of one ASGI message (and task wake-up) per chunk. The writer tells the relay when
@@ -30,7 +32,7 @@ CLIENT_LEG = "phasewatch.client_leg"
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "arrival_ns", "on_pause", "on_resume")
+    __slots__ = ("_cycle", "arrival_ns", "on_disconnect", "on_pause", "on_resume")
 
     def __init__(self, arrival_ns: int) -> None:
         self.arrival_ns = arrival_ns
@@ -38,6 +40,13 @@ class ClientLeg:
         # Set by the relay while it writes directly: called as the client's buffer fills/drains.
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
+        # Set by the relay for the whole exchange: called once if the client disconnects.
+        self.on_disconnect: Callable[[], None] | None = None
+
+    @property
+    def gone(self) -> bool:
+        """The client has disconnected."""
+        return self._cycle is not None and self._cycle.disconnected
 
     @property
     def paused(self) -> bool:
@@ -68,12 +77,19 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._leg = ClientLeg(self._read_ns)
-        self.scope["extensions"] = {CLIENT_LEG: self._leg}
+        # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
+        self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if self._leg is not None:
             self._leg._cycle = self.cycle
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        leg = self._writing_leg()
+        if leg is not None and leg.on_disconnect is not None:
+            leg.on_disconnect()
 
     def pause_writing(self) -> None:
         super().pause_writing()

@@ -237,7 +237,14 @@ class Exchange:
 
     async def run(self, receive: Receive, send: Send) -> None:
         self._task = asyncio.current_task()
-        watcher = asyncio.create_task(self._watch_disconnect(receive))
+        leg = self._leg
+        watcher = None
+        if leg is not None:
+            leg.on_disconnect = self.client_gone
+            if leg.gone:  # it left while the body was being read
+                self.client_gone()
+        else:  # other servers: ASGI's receive says when the client leaves
+            watcher = asyncio.create_task(self._watch_disconnect(receive))
         ctx = self._ctx
         ctx.watchdog.watch(self)
         try:
@@ -247,7 +254,10 @@ class Exchange:
                 else:
                     await self._answer(send)
         finally:
-            watcher.cancel()
+            if leg is not None:
+                leg.on_disconnect = None
+            if watcher is not None:
+                watcher.cancel()
             ctx.watchdog.forget(self)
             conn, self._conn = self._conn, None
             if conn is not None:
@@ -429,7 +439,8 @@ class Exchange:
             # Never leave the client hanging on a broken stream: say why, in-band, as vLLM does.
             error = error_body(f"phasewatch: {record.error}", "upstream_error", 502)
             # End a half-sent event first, so the error is an event of its own.
-            tail = (b"\n\n" if feed.unterminated else b"") + b"data: " + error + b"\n\n" + _DONE_EVENT
+            tail = ((b"\n\n" if feed.unterminated else b"")
+                    + b"data: " + error + b"\n\n" + _DONE_EVENT)
         await send({"type": "http.response.body", "body": rest + tail, "more_body": False})
 
     async def _stream_over_asgi(self, send: Send) -> None:

@@ -52,13 +52,20 @@ class StreamFeed:
 
     def feed(self, data: bytes, now: int) -> bytes:
         """Time one read; return the bytes to forward for it (possibly empty)."""
+        if (data.count(b"\n") == 2 and data.endswith(b"\n\n") and data.startswith(b"data: ")
+                and b"\r" not in data and self._decoder.idle):
+            # The usual read: exactly one whole one-line event (vLLM writes each chunk in one
+            # piece). The splitter would return it unchanged; skip it.
+            events: list[bytes] | tuple[bytes] = (data,)
+        else:
+            events = self._decoder.decode(data)
         if not self._rewrite:
-            for raw in self._decoder.decode(data):
+            for raw in events:
                 if self._note(raw, now).kind is Kind.DONE:
                     self.done = True
             return data
         parts: list[bytes] = []
-        for raw in self._decoder.decode(data):
+        for raw in events:
             info = self._note(raw, now)
             kind = info.kind
             if kind is Kind.DONE:

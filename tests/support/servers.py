@@ -34,13 +34,14 @@ def free_port() -> int:
 class ThreadServer:
     """A uvicorn server running an ASGI app in a background thread with its own event loop."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(self, app: Any, port: int | None = None, http: Any = None) -> None:
         self.app = app
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-            loop="asyncio", http=PhasewatchHttpProtocol, timeout_graceful_shutdown=5,
+            # phasewatch's own protocol, as `phasewatch serve` runs it, unless a test says.
+            loop="asyncio", http=http or PhasewatchHttpProtocol, timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
