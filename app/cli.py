@@ -24,12 +24,15 @@ DEMO_TIME_SCALE = 2.0
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.main import create_app
+    from app.proxy.client_leg import PhasewatchHttpProtocol
+    from app.serve import prepare_serving
+    from app.store.migrate import SchemaError
 
     overrides = {
         key: value
         for key, value in {
             "upstream_url": args.upstream, "host": args.host, "port": args.port,
+            "workers": args.workers,
         }.items()
         if value is not None
     }
@@ -41,13 +44,21 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
+    try:
+        prepare_serving(settings, overrides)  # the workers' environment, the schema once
+    except SchemaError as exc:
+        print(f"phasewatch: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(
-        create_app(settings, freeze_heap=True),
+        # Each worker builds its own app from the environment; with --workers N, uvicorn's
+        # supervisor runs N processes on the one socket (and restarts any that dies).
+        "app.main:serve_app", factory=True, workers=settings.workers,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         loop="uvloop",
-        http="httptools",
+        # uvicorn's httptools protocol, plus the relay's arrival stamp and direct body writes.
+        http=PhasewatchHttpProtocol,
         # The upstream's own Date and Server headers are relayed; do not add a second pair.
         server_header=False,
         date_header=False,
@@ -143,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--upstream", help="upstream base URL (PHASEWATCH_UPSTREAM_URL)")
     serve.add_argument("--host", help="listen address (PHASEWATCH_HOST)")
     serve.add_argument("--port", type=int, help="listen port (PHASEWATCH_PORT)")
+    serve.add_argument("--workers", type=int,
+                       help="processes serving that port (PHASEWATCH_WORKERS, default 1)")
     serve.set_defaults(func=_serve)
     db = commands.add_parser("db", help="database schema (PHASEWATCH_DATABASE_URL)")
     db_actions = db.add_subparsers(dest="action", required=True)

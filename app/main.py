@@ -1,8 +1,11 @@
 """The application factory: `create_app(settings)` wires the proxy together. Nothing at import time.
 
-The lifespan builds the database engine (checking the schema), the record writer, retention and
-idle-watchdog tasks, the upstream client and the metrics, and the diagnosis (its schedule and
-the engine-metrics scraper, docs/diagnosis.md). A small pure-ASGI dispatcher sends the
+The lifespan builds the database engine (checking the schema), the record writer and
+idle-watchdog tasks, the upstream client and the metrics, the diagnosis (docs/diagnosis.md),
+and the leadership that runs retention, the engine-metrics scrape and the diagnosis schedule
+in one process per database (app/store/leader.py). `serve_app` is what `phasewatch serve` runs
+in each of its workers; `/metrics` serves all of theirs (app/core/exposition.py). A small
+pure-ASGI dispatcher sends the
 two timed inference paths straight to the relay and everything that is not phasewatch's own
 (`/metrics`, `/api/...`, the OpenAPI docs) to the pass-through; only the latter reach FastAPI.
 Keeping the hot path out of FastAPI's middleware stack saves about 15% of the CPU per relayed
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -21,7 +25,7 @@ from datetime import timedelta
 import aiohttp
 from fastapi import FastAPI, Response
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from sqlalchemy.engine import make_url
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException
@@ -33,20 +37,23 @@ from app.api import runs as runs_api
 from app.api import stats as stats_api
 from app.api.errors import http_error, validation_error
 from app.core.db import create_engine, create_sessionmaker
+from app.core.exposition import Exposition
 from app.core.metrics import ProxyMetrics
 from app.core.records import RecordQueue
-from app.core.settings import Settings
+from app.core.settings import Settings, load_settings
 from app.diagnosis.metrics import DiagnosisMetrics
 from app.diagnosis.service import DiagnosisService
 from app.engine.metrics import EngineScrapeMetrics
 from app.engine.scraper import EngineScraper
 from app.proxy.asgi import Receive, Scope, Send
 from app.proxy.context import ProxyContext
-from app.proxy.exchange import IdleWatchdog
 from app.proxy.labels import ModelLabels
 from app.proxy.passthrough import pass_through
 from app.proxy.relay import ENDPOINTS, relay
 from app.proxy.upstream import create_upstream_session
+from app.proxy.upstream_pool import UpstreamPool
+from app.proxy.watchdog import IdleWatchdog
+from app.store.leader import Duty, Leadership, LeadershipMetrics, leader_lock
 from app.store.migrate import prepare_schema
 from app.store.retention import run_retention
 from app.store.writer import RecordWriter
@@ -92,6 +99,7 @@ def create_app(
     benchmark as chunk-lag p99).
     """
     registry = registry if registry is not None else CollectorRegistry()
+    exposition = Exposition(registry, settings.metrics_dir)  # one process's, or every worker's
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -107,10 +115,13 @@ def create_app(
         writer = RecordWriter(records, engine, metrics, settings.writer_batch_size,
                               settings.writer_flush_interval_s)
         session = create_upstream_session(settings)
+        pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s,
+                            settings.upstream_max_connections)
         watchdog = IdleWatchdog(settings.upstream_idle_timeout_s)
         app.state.proxy = ProxyContext(
             settings=settings,
             session=session,
+            pool=pool,
             metrics=metrics,
             labels=ModelLabels(settings.max_model_labels),
             records=records,
@@ -124,24 +135,28 @@ def create_app(
         tasks = [
             asyncio.create_task(writer.run(), name="record-writer"),
             asyncio.create_task(watchdog.run(), name="idle-watchdog"),
-            asyncio.create_task(
-                run_retention(engine, retention, settings.retention_interval_s), name="retention"
-            ),
         ]
-        # Diagnosis: the engine's own metrics (when scraped) corroborate what the records show.
-        scraper = None
+        # Retention, the engine scrape and the diagnosis schedule run once per database, in the
+        # one process (of every worker and replica) that leads; every process answers the API.
+        duties: dict[str, Duty] = {"retention": lambda: run_retention(
+            engine, retention, settings.retention_interval_s)}
         if settings.engine_metrics_target is not None:
-            scraper = EngineScraper(
+            # The engine's own metrics corroborate what the records show (docs/diagnosis.md).
+            duties["engine-scraper"] = EngineScraper(
                 settings.engine_metrics_target, settings.engine_scrape_interval_s,
                 settings.engine_scrape_timeout_s,
                 keep_s=settings.diagnosis_window_s + settings.diagnosis_baseline_s + 60,
-                metrics=EngineScrapeMetrics(registry),
-            )
-            tasks.append(asyncio.create_task(scraper.run(), name="engine-scraper"))
+                sessionmaker=app.state.sessionmaker, metrics=EngineScrapeMetrics(registry),
+            ).run
         app.state.diagnosis = DiagnosisService(
-            app.state.sessionmaker, settings, scraper, DiagnosisMetrics(registry))
+            app.state.sessionmaker, settings,
+            DiagnosisMetrics(registry, multiprocess=exposition.multiprocess))
         if settings.diagnosis_interval_s > 0:
-            tasks.append(asyncio.create_task(app.state.diagnosis.run(), name="diagnosis"))
+            duties["diagnosis"] = app.state.diagnosis.run
+        app.state.leadership = Leadership(
+            leader_lock(settings.database_url), duties, settings.leader_check_interval_s,
+            LeadershipMetrics(registry))
+        tasks.append(asyncio.create_task(app.state.leadership.run(), name="leadership"))
         if freeze_heap:
             gc.collect()
             gc.freeze()
@@ -154,6 +169,7 @@ def create_app(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await session.close()
+            pool.close()
             await writer.flush(timeout_s=10)
             await engine.dispose()
 
@@ -166,11 +182,25 @@ def create_app(
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/health")
-    def health() -> dict[str, str]:
-        """phasewatch's own liveness; `/health` is the upstream's, relayed."""
-        return {"status": "ok", "version": __version__, "upstream": settings.upstream_base}
+    def health() -> dict[str, str | int]:
+        """phasewatch's own liveness; `/health` is the upstream's, relayed. `pid` is the
+        process that answered (one of `--workers`); `role` says whether it runs retention,
+        the diagnosis schedule and the engine scrape (`leader`) or not (`follower`)."""
+        return {"status": "ok", "version": __version__, "upstream": settings.upstream_base,
+                "pid": os.getpid(), "role": app.state.leadership.role.value}
 
     return Phasewatch(app)
+
+
+def serve_app() -> Phasewatch:
+    """The app `phasewatch serve` runs in each of its processes (uvicorn's factory, so that
+    every worker builds its own): settings from the environment, where the command put its
+    flags."""
+    settings = load_settings()
+    pid = " [%(process)d]" if settings.workers > 1 else ""
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(levelname)s %(name)s{pid}: %(message)s")
+    return create_app(settings, freeze_heap=True)

@@ -31,7 +31,9 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
     [("PHASEWATCH_UPSTREAM_URL", "not a url", "PHASEWATCH_UPSTREAM_URL='not a url' is invalid"),
      ("PHASEWATCH_PORT", "70000", "PHASEWATCH_PORT='70000' is invalid"),
      ("PHASEWATCH_SLO_TTFT_S", "-1", "PHASEWATCH_SLO_TTFT_S='-1' is invalid"),
-     ("PHASEWATCH_LOG_LEVEL", "loud", "Input should be 'critical', 'error'")],
+     ("PHASEWATCH_LOG_LEVEL", "loud", "Input should be 'critical', 'error'"),
+     ("PHASEWATCH_WORKERS", "0", "PHASEWATCH_WORKERS='0' is invalid"),
+     ("PROMETHEUS_MULTIPROC_DIR", " ", "PROMETHEUS_MULTIPROC_DIR=' ' is invalid: Value error")],
 )
 def test_bad_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, variable: str, value: str,
                                       says: str) -> None:

@@ -7,6 +7,9 @@ and reused, because `.labels()` costs more than the observation itself.
 Bucket lists: vLLM's own stop at 10 ms for ITL and have no 2 s edge for TTFT. Ours cover
 sub-millisecond to minutes, and always contain the configured SLO thresholds as exact edges,
 because a latency SLI is `bucket{le="T"} / count` and needs an edge at exactly T.
+
+Under several workers (app/core/exposition.py) counters and histograms are summed over them;
+each gauge says how with its `multiprocess_mode` (ignored with one process).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ ITL_BUCKETS = (
 E2E_BUCKETS = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
     2400.0,
+)
+# Time a request spends inside the proxy before it is sent upstream: sub-millisecond when the
+# proxy keeps up, tens of milliseconds when its event loop is saturated.
+PROXY_QUEUE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )
 # Powers of two, from one token to a long-context prompt.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 18))
@@ -90,10 +98,17 @@ class ProxyMetrics:
             "Finished requests by how they ended.",
             (*labels, "outcome"), registry=registry,
         )
+        self.proxy_queue = Histogram(
+            "phasewatch_proxy_queue_seconds",
+            "Arrival (the request's first bytes read from the client) to the relay starting to "
+            "send it upstream: time spent inside phasewatch before the engine is asked; part of "
+            "TTFT.",
+            registry=registry, buckets=PROXY_QUEUE_BUCKETS,
+        )
         self.in_flight = Gauge(
             "phasewatch_requests_in_flight",
             "Inference requests received and not yet finished.",
-            registry=registry,
+            registry=registry, multiprocess_mode="livesum",  # over the workers alive
         )
         self.records_dropped = Counter(
             "phasewatch_records_dropped",
@@ -118,7 +133,7 @@ class ProxyMetrics:
         self.record_queue_depth = Gauge(
             "phasewatch_record_queue_depth",
             "Request records waiting to be stored.",
-            registry=registry,
+            registry=registry, multiprocess_mode="livesum",
         )
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
 

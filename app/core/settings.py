@@ -6,6 +6,7 @@ environment anywhere else. A bad value fails at startup with a sentence naming t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
@@ -20,12 +21,22 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True,
+                                      populate_by_name=True)
 
     # Where the OpenAI-compatible engine (vLLM) listens.
     upstream_url: AnyHttpUrl = Field(default=AnyHttpUrl("http://127.0.0.1:8000"))
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
+    # Processes serving that one port (`phasewatch serve --workers N`). One by default: a worker
+    # buys a core, not efficiency (each has its own upstream pool and record writer, and their
+    # metrics go through files), so add workers when one core no longer keeps up; README, "How
+    # to scale".
+    workers: int = Field(default=1, ge=1, le=256)
+    # Where each worker keeps its metrics, for any worker to serve them all on /metrics: the
+    # variable prometheus_client itself reads. `phasewatch serve` sets it (a fresh temporary
+    # directory) when it runs more than one worker; set it to choose the place (a tmpfs).
+    metrics_dir: Path | None = Field(default=None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
 
     # Upstream connection policy. A stream may sit silent for a long queue wait or a long
     # prefill, so the only read timeout is the gap allowed between two reads, and it is long.
@@ -75,6 +86,10 @@ class Settings(BaseSettings):
     engine_metrics_enabled: bool = True
     engine_scrape_interval_s: float = Field(default=15.0, gt=0)
     engine_scrape_timeout_s: float = Field(default=5.0, gt=0)
+    # Retention, the diagnosis schedule and the engine scrape run in one process per database
+    # (app/store/leader.py): the others try to take the lead this often, and the leader checks
+    # it still holds it as often.
+    leader_check_interval_s: float = Field(default=5.0, gt=0)
 
     log_level: LogLevel = "info"
 
@@ -85,6 +100,13 @@ class Settings(BaseSettings):
             raise ValueError("use the asyncpg driver: postgresql+asyncpg://...")
         if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
             raise ValueError("must start with sqlite+aiosqlite:// or postgresql+asyncpg://")
+        return value
+
+    @field_validator("metrics_dir", mode="before")
+    @classmethod
+    def _metrics_dir_named(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty: unset it, or name a directory")
         return value
 
     @property
@@ -107,9 +129,8 @@ def describe(exc: ValidationError, prefix: str) -> str:
     problems = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "?"
-        problems.append(
-            f"{prefix}{field.upper()}={error.get('input')!r} is invalid: {error['msg']}"
-        )
+        variable = field if field.isupper() else prefix + field.upper()  # an alias is its own
+        problems.append(f"{variable}={error.get('input')!r} is invalid: {error['msg']}")
     return "; ".join(problems)
 
 

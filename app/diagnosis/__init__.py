@@ -7,7 +7,7 @@ length and decode pace), `stalls` (mid-stream stalls against long prefills), `ve
 eight verdicts and the article's actions) and `diagnose` (the rules) are that core, and
 tests/diagnosis/test_purity.py holds them to it.
 
-Two modules are the shell around it: `service` reads the store and the engine scraper, runs
+Two modules are the shell around it: `service` reads the store (requests, engine scrapes), runs
 the core off the event loop, keeps the verdict history and the schedule; `metrics` holds the
 Prometheus gauges. Method, statistics and limits: docs/diagnosis.md.
 """

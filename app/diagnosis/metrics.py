@@ -5,6 +5,12 @@ the seven others (every label value is always present once a model has been judg
 alert can match `== 1` without `absent()` games); `phasewatch_diagnosis_confidence{model}` is
 that verdict's confidence, 0-1 (0 for insufficient data). Models are those the scheduled
 evaluation judges, at most `max_model_labels` of the busiest.
+
+Only the process that runs the schedule (the leader, app/store/leader.py) sets them; when it
+stops leading it withdraws them: removed, or, under several workers (where prometheus_client
+keeps every series in the process's file and cannot remove one), set to 0, which `max by`
+reads as nothing. Both gauges are `livemax` across workers, so a dead leader's values go
+with it.
 """
 
 from __future__ import annotations
@@ -15,17 +21,19 @@ from app.diagnosis.verdicts import Verdict
 
 
 class DiagnosisMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess
         self.verdict = Gauge(
             "phasewatch_diagnosis_verdict",
             "1 for the model's current diagnosis verdict, 0 for the others.",
-            ("model", "verdict"), registry=registry,
+            ("model", "verdict"), registry=registry, multiprocess_mode="livemax",
         )
         self.confidence = Gauge(
             "phasewatch_diagnosis_confidence",
             "Confidence of the model's current diagnosis verdict, 0-1.",
-            ("model",), registry=registry,
+            ("model",), registry=registry, multiprocess_mode="livemax",
         )
+        self._models: set[str] = set()  # models with series set, to withdraw
         self.evaluations = Counter(
             "phasewatch_diagnosis_evaluations",
             "Scheduled diagnosis evaluations (one per model per round).",
@@ -41,3 +49,16 @@ class DiagnosisMetrics:
         for each in Verdict:
             self.verdict.labels(model, each.value).set(1.0 if each is verdict else 0.0)
         self.confidence.labels(model).set(confidence)
+        self._models.add(model)
+
+    def withdraw(self) -> None:
+        """This process no longer judges: its verdicts must not be read as current."""
+        if self.multiprocess:
+            for model in self._models:
+                for each in Verdict:
+                    self.verdict.labels(model, each.value).set(0.0)
+                self.confidence.labels(model).set(0.0)
+        else:
+            self.verdict.clear()
+            self.confidence.clear()
+        self._models.clear()

@@ -1,11 +1,15 @@
 """The shell around the pure diagnosis: it reads, runs the core off the event loop, keeps the
 schedule, the history and the gauges. The only module of the package that does I/O.
 
-`DiagnosisService.diagnose` answers one model for one window and baseline (the API calls it);
-`run` evaluates every active model every `diagnosis_interval_s` with the default window and
-baseline, sets `phasewatch_diagnosis_verdict` / `_confidence`, and stores each change of a
-model's verdict with its evidence. Any fault (database, engine, evaluation) is logged and
-counted and the schedule goes on; nothing here touches the relay.
+`DiagnosisService.diagnose` answers one model for one window and baseline (the API calls it,
+in any process); it reads only the database (the requests, and the engine scrapes the leader
+stored), so every worker and replica answers the same question the same. `run` is the
+schedule, run by the leading process only (app/store/leader.py): it evaluates every active
+model every `diagnosis_interval_s` with the default window and baseline, sets
+`phasewatch_diagnosis_verdict` / `_confidence`, and stores each change of a model's verdict
+with its evidence; when it stops (the process no longer leads) it withdraws its gauges. Any
+fault (database, engine, evaluation) is logged and counted and the schedule goes on; nothing
+here touches the relay.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from app.diagnosis.diagnose import Finding, Rules, diagnose
 from app.diagnosis.metrics import DiagnosisMetrics
 from app.diagnosis.observations import Observation, Sample
 from app.diagnosis.verdicts import Verdict
-from app.engine.scraper import EngineScraper
+from app.engine.codec import snapshot_from_json
+from app.engine.window import EngineWindow, summarize
 from app.store.diagnoses import (
     RequestSpan,
     active_models,
@@ -32,6 +37,7 @@ from app.store.diagnoses import (
     read_observations,
     run_request_count,
 )
+from app.store.engine_scrapes import read_scrapes
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +97,25 @@ def _iso(moment: datetime | None) -> str | None:
     return None if moment is None else moment.astimezone(UTC).isoformat()
 
 
+async def read_engine(
+    session: AsyncSession, url: str, since: datetime, until: datetime, model: str
+) -> tuple[EngineWindow | None, bool | None]:
+    """The engine's figures for `model` over [since, until] from the stored scrapes, and
+    whether the last scrape at or before `until` worked (None: none stored)."""
+    span = await read_scrapes(session, url, since, until)
+    stored = ([span.before] if span.before is not None else []) + span.inside
+    history = [(at.timestamp(), snapshot_from_json(data)) for at, data in stored]
+    return summarize(history, since.timestamp(), until.timestamp(), model), span.last_ok
+
+
 class DiagnosisService:
     def __init__(
         self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
-        scraper: EngineScraper | None = None, metrics: DiagnosisMetrics | None = None,
+        metrics: DiagnosisMetrics | None = None,
     ) -> None:
         self.sessionmaker = sessionmaker
         self.settings = settings
-        self.scraper = scraper
+        self.engine_url = settings.engine_metrics_target  # None: the engine is not scraped
         self.metrics = metrics
         self.rules = Rules(min_samples=settings.diagnosis_min_samples)
         self._stored: dict[str, str] | None = None  # last stored verdict per model
@@ -147,8 +164,8 @@ class DiagnosisService:
                 described = {"kind": "run", "run_id": baseline.run_id,
                              "since": _iso(span.first), "until": _iso(span.last),
                              "seconds": reference.span_s}
-        engine = (None if self.scraper is None
-                  else self.scraper.window(since.timestamp(), until.timestamp(), model))
+            engine, engine_up = (None, None) if self.engine_url is None else (
+                await read_engine(session, self.engine_url, since, until, model))
         rules = self.rules if min_samples is None else replace(self.rules,
                                                                 min_samples=min_samples)
         finding: Finding = await asyncio.to_thread(
@@ -159,22 +176,28 @@ class DiagnosisService:
                        "seconds": window.total_seconds()},
             "baseline": described,
             **finding.as_dict(),
-            "engine_metrics": None if self.scraper is None else {
-                "url": self.scraper.url, "up": self.scraper.up,
-                "in_window": engine is not None},
+            "engine_metrics": None if self.engine_url is None else {
+                "url": self.engine_url, "up": engine_up, "in_window": engine is not None},
         }
 
     async def run(self) -> None:
-        """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled."""
-        while True:
-            try:
-                await self.evaluate_all()
-            except Exception as exc:
-                log.warning("diagnosis round failed (%s: %s)", type(exc).__name__,
-                            str(exc)[:200])
-                if self.metrics is not None:
-                    self.metrics.failures.inc()
-            await asyncio.sleep(self.settings.diagnosis_interval_s)
+        """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled. Each run
+        starts afresh (another process may have led, and stored changes, in between) and
+        withdraws the gauges when it ends, so only the process that runs it exports them."""
+        self._stored, self._judged = None, []
+        try:
+            while True:
+                try:
+                    await self.evaluate_all()
+                except Exception as exc:
+                    log.warning("diagnosis round failed (%s: %s)", type(exc).__name__,
+                                str(exc)[:200])
+                    if self.metrics is not None:
+                        self.metrics.failures.inc()
+                await asyncio.sleep(self.settings.diagnosis_interval_s)
+        finally:
+            if self.metrics is not None:
+                self.metrics.withdraw()
 
     async def evaluate_all(self, now: datetime | None = None) -> dict[str, str]:
         """One round: every active model (and every model exported before) with the default

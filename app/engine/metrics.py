@@ -1,4 +1,8 @@
-"""The scraper's own Prometheus metrics, on an injected registry."""
+"""The scraper's own Prometheus metrics, on an injected registry.
+
+Only the leading process scrapes (app/store/leader.py); the others keep `up` at 0, so read it
+as the max over instances (and over workers: its multiprocess mode is `livemax`).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,8 @@ class EngineScrapeMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.up = Gauge(
             "phasewatch_engine_scrape_up",
-            "1 if the last scrape of the engine's /metrics succeeded, else 0.",
-            registry=registry,
+            "1 if the leading process's last scrape of the engine's /metrics succeeded, else 0.",
+            registry=registry, multiprocess_mode="livemax",
         )
         self.failures = Counter(
             "phasewatch_engine_scrape_failures",

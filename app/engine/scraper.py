@@ -1,11 +1,14 @@
-"""The background task that scrapes the engine's /metrics and keeps recent snapshots.
+"""The background task that scrapes the engine's /metrics and stores what diagnosis reads of it.
 
 One GET every `interval_s`, with its own small aiohttp session (never the relay's connection
 pool) and a timeout. The text is parsed in a worker thread, so a large /metrics page does not
-hold the event loop that relays streams. Snapshots are kept in memory, stamped with the wall
-clock at which the response arrived (the clock of the stored requests' `started_at`), for
-`keep_s` seconds: long enough for a window and its baseline. A failed scrape is counted and
-logged once per outage; it never raises out of the task.
+hold the event loop that relays streams. Each scrape is stored (app/store/engine_scrapes.py),
+stamped with the wall clock at which the response arrived (the clock of the stored requests'
+`started_at`), and kept `keep_s` seconds: long enough for a window and its baseline. A failed
+scrape is stored as such, counted, and logged once per outage; nothing raises out of the task.
+
+It runs in the leading process only (app/store/leader.py): one scrape per interval for the
+whole deployment, and every worker and replica reads the same stored scrapes.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from datetime import UTC, datetime, timedelta
 
 import aiohttp
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.engine.codec import snapshot_to_json
 from app.engine.metrics import EngineScrapeMetrics
 from app.engine.parser import EngineSnapshot, parse_engine_metrics
-from app.engine.window import EngineWindow, summarize
+from app.store.engine_scrapes import add_scrape
 
 log = logging.getLogger(__name__)
 
@@ -27,28 +32,35 @@ log = logging.getLogger(__name__)
 class EngineScraper:
     def __init__(
         self, url: str, interval_s: float, timeout_s: float, keep_s: float,
+        sessionmaker: async_sessionmaker[AsyncSession],
         metrics: EngineScrapeMetrics | None = None,
     ) -> None:
         self.url = url
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.keep_s = keep_s
+        self.sessionmaker = sessionmaker
         self.metrics = metrics
-        self.history: deque[tuple[float, EngineSnapshot]] = deque()
         self.up = False
         self._failing = False
 
     async def run(self) -> None:
-        """Scrape until cancelled."""
+        """Scrape until cancelled; `up` goes back to 0 when this process stops scraping."""
         connector = aiohttp.TCPConnector(limit=1)
-        async with aiohttp.ClientSession(connector=connector, timeout=self.timeout) as session:
-            while True:
-                try:
-                    await self.scrape(session)
-                except Exception as exc:  # a bug here must not end the task
-                    log.exception("engine scrape failed unexpectedly")
-                    self._failed(exc)
-                await asyncio.sleep(self.interval_s)
+        try:
+            async with aiohttp.ClientSession(connector=connector,
+                                             timeout=self.timeout) as session:
+                while True:
+                    try:
+                        await self.scrape(session)
+                    except Exception as exc:  # a bug here must not end the task
+                        log.exception("engine scrape failed unexpectedly")
+                        self._failed(exc)
+                    await asyncio.sleep(self.interval_s)
+        finally:
+            self.up = False
+            if self.metrics is not None:
+                self.metrics.up.set(0)
 
     async def scrape(self, session: aiohttp.ClientSession) -> EngineSnapshot | None:
         try:
@@ -60,10 +72,9 @@ class EngineScraper:
             snapshot = await asyncio.to_thread(parse_engine_metrics, text)
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeError) as exc:
             self._failed(exc)
+            await self._store(time.time(), None)
             return None
-        self.history.append((at, snapshot))
-        while self.history and self.history[0][0] < at - self.keep_s:
-            self.history.popleft()
+        await self._store(at, snapshot)
         if self._failing:
             log.info("engine metrics at %s answer again", self.url)
         self._failing = False
@@ -82,6 +93,15 @@ class EngineScraper:
                         "the proxy's records", self.url, type(exc).__name__, str(exc)[:200])
         self._failing = True
 
-    def window(self, since_s: float, until_s: float, model: str | None) -> EngineWindow | None:
-        """The engine's figures over [since_s, until_s] (wall-clock seconds) for `model`."""
-        return summarize(list(self.history), since_s, until_s, model)
+    async def _store(self, at_s: float, snapshot: EngineSnapshot | None) -> None:
+        """Store one scrape; a database fault is logged and the scrape is lost (the next one
+        is stored when the database answers again)."""
+        at = datetime.fromtimestamp(at_s, UTC)
+        data = None if snapshot is None else snapshot_to_json(snapshot)
+        try:
+            async with self.sessionmaker() as session:
+                await add_scrape(session, at, self.url, data,
+                                 keep_since=at - timedelta(seconds=self.keep_s))
+        except Exception as exc:
+            log.warning("storing an engine scrape failed (%s: %s)", type(exc).__name__,
+                        str(exc)[:200])

@@ -193,3 +193,18 @@ class Diagnosis(Base):
     evidence: Mapped[dict[str, Any]]
 
     __table_args__ = (Index("ix_diagnoses_model_at", "model", "at"),)
+
+
+class EngineScrape(Base):
+    """One scrape of the engine's `/metrics` by the leading process (app/store/leader.py), so
+    every worker and replica diagnoses from the same scrapes."""
+
+    __tablename__ = "engine_scrapes"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime]  # wall clock when the response arrived, as requests' started_at
+    url: Mapped[str] = mapped_column(String(500))
+    # What diagnosis reads of it (app/engine/codec.py); None when the scrape failed.
+    snapshot: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+
+    __table_args__ = (Index("ix_engine_scrapes_url_at", "url", "at"),)

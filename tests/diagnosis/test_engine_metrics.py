@@ -3,10 +3,13 @@ text the Prometheus parser rejects; and a window's figures from a series of scra
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from app.engine import parse_engine_metrics
+from app.engine.codec import snapshot_from_json, snapshot_to_json
 from app.engine.parser import EngineSnapshot, EngineState, Histogram
 from app.engine.window import histogram_increase, histogram_quantile, increase, summarize
 from app.sim.config import load_sim_settings
@@ -121,6 +124,16 @@ def test_the_simulators_metrics_parse() -> None:
     assert state is snapshot.models["sim-model"]
     assert state.waiting == 0.0 and state.running == 0.0 and state.kv_usage == 0.0
     assert state.preemptions == 0.0 and state.ttft is not None and state.queue_time is not None
+
+
+def test_a_snapshot_is_stored_as_strict_json_and_reads_back_equal() -> None:
+    for text in (V1, V0):
+        snapshot = parse_engine_metrics(text)
+        data = snapshot_to_json(snapshot)
+        stored = json.loads(json.dumps(data, allow_nan=False))  # Postgres refuses Infinity
+        assert snapshot_from_json(stored) == snapshot
+    assert snapshot_from_json({"models": {"m": {"waiting": 1, "later_signal": 2}}}).models[
+        "m"].waiting == 1.0  # a signal a later version stored is skipped
 
 
 def test_counter_increase_survives_a_restart() -> None:

@@ -11,7 +11,7 @@ import pytest
 APP = Path(__file__).resolve().parents[2] / "app"
 SHELL = {"service.py", "metrics.py"}  # the diagnosis package's I/O shell and its gauges
 CORE = sorted(p for p in (APP / "diagnosis").glob("*.py") if p.name not in SHELL)
-PURE_ENGINE = [APP / "engine" / "parser.py", APP / "engine" / "window.py"]
+PURE_ENGINE = [APP / "engine" / name for name in ("parser.py", "window.py", "codec.py")]
 FORBIDDEN = {"fastapi", "starlette", "sqlalchemy", "aiohttp", "httpx", "asyncio", "time",
              "datetime", "uvicorn", "socket", "app.store", "app.api", "app.proxy",
              "app.engine.scraper", "app.main"}

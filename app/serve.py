@@ -1,0 +1,67 @@
+"""What `phasewatch serve` sets up before uvicorn starts its workers.
+
+Each worker builds its own app from the environment (`app.main.serve_app`, uvicorn's factory,
+in a freshly spawned process), so the command's flags are put into the environment first, as
+the `PHASEWATCH_*` variables they stand for. With more than one worker (or
+PROMETHEUS_MULTIPROC_DIR set), the metrics directory is made ready before any worker starts,
+because prometheus_client reads the variable when it is imported: created, or emptied of an
+earlier run's files, or, when none is named, a temporary one removed at exit
+(app/core/exposition.py). And the database schema is prepared here, once, rather than raced
+by N workers at startup (a new SQLite file would be created by all of them at once). These
+changes last for the rest of the process: `phasewatch serve` is the whole of its life.
+
+The command stays a thin shell over this; uvicorn's own options stay in app/cli.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from app.core.db import create_engine
+from app.core.exposition import prepare_metrics_dir
+from app.core.settings import ENV_PREFIX, Settings
+from app.store.migrate import prepare_schema
+
+log = logging.getLogger(__name__)
+
+METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity; a container's CPU quota is not seen)."""
+    return len(os.sched_getaffinity(0))
+
+
+async def _prepare_database(settings: Settings) -> None:
+    engine = create_engine(settings.database_url)
+    try:
+        await prepare_schema(engine, settings.database_url, settings.database_auto_upgrade)
+    finally:
+        await engine.dispose()
+
+
+def prepare_serving(settings: Settings, flags: Mapping[str, object]) -> None:
+    """Make this process's environment the one its workers start in: `flags` (settings field
+    -> value, from the command line) as variables, and the metrics directory when needed.
+    Raises app.store.migrate.SchemaError (a sentence for a person) when the schema is not the
+    code's and may not be upgraded."""
+    os.environ.update({ENV_PREFIX + name.upper(): str(value) for name, value in flags.items()})
+    if settings.workers > 1 or settings.metrics_dir is not None:
+        directory = settings.metrics_dir
+        if directory is None:
+            directory = Path(tempfile.mkdtemp(prefix="phasewatch-metrics-"))
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        prepare_metrics_dir(directory)
+        os.environ[METRICS_DIR_VARIABLE] = str(directory)
+    if settings.workers > 1:
+        if settings.workers > usable_cores():
+            log.warning("%d workers on %d usable cores: more workers than cores only adds "
+                        "contention (README, How to scale)", settings.workers, usable_cores())
+        asyncio.run(_prepare_database(settings))
