@@ -33,3 +33,14 @@ def test_store_scale_quick(tmp_path: Path) -> None:
     assert isinstance(writer, list) and {row["backend"] for row in writer} == {"sqlite", "postgres"}
     assert all(row["dropped"] == 0 for row in writer)
     assert isinstance(stats, list) and all(row["rows"] == 50_000 for row in stats)
+
+
+def test_ttft_truth_quick(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ttft_truth.py"), "--quick", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "client - phasewatch" in result.stdout and "joined/sent" in result.stdout
+    assert "summary" in json.loads(out.read_text())
