@@ -68,6 +68,8 @@ GOAL_CPU_RATIO = 1.2
 TARGET_CONCURRENCY = 256
 TARGET_TTFT_P99_OVER_NGINX_MS = 2.0
 TARGET_LAG_P99_OVER_NGINX_MS = 1.0
+# Capacity: the chunk rate a path relays while its chunk-lag p99 stays under this.
+CAPACITY_LAG_P99_MS = 10.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,8 +88,16 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def cpu_ticks(self) -> tuple[int, int] | None:
-        """User and system CPU of the process (all its threads), in clock ticks."""
-        return proc_cpu_ticks(self.proc.pid)
+        """User and system CPU of the process and its children (all their threads: the
+        workers of `serve --workers N`), in clock ticks."""
+        total = proc_cpu_ticks(self.proc.pid)
+        if total is None:
+            return None
+        for child in child_pids(self.proc.pid):
+            ticks = proc_cpu_ticks(child)
+            if ticks is not None:
+                total = (total[0] + ticks[0], total[1] + ticks[1])
+        return total
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -103,6 +113,25 @@ def proc_cpu_ticks(pid: int) -> tuple[int, int] | None:
         return None
     fields = stat.rpartition(")")[2].split()  # the command name may hold spaces
     return int(fields[11]), int(fields[12])  # utime, stime: fields 14 and 15 of stat
+
+
+def child_pids(pid: int) -> list[int]:
+    """Every descendant of `pid` alive now."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def system_busy_ticks() -> tuple[int, int] | None:
@@ -193,12 +222,14 @@ def start_upstream(args: argparse.Namespace, tmp: Path) -> Server:
     return server
 
 
-def start_phasewatch(upstream: Server, tmp: Path) -> Server:
+def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1) -> Server:
     port = free_port()
+    name = "phasewatch" if workers == 1 else f"phasewatch-w{workers}"
     env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning",
-           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / 'phasewatch.db'}"}
-    server = spawn("phasewatch", [
+           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / (name + '.db')}"}
+    server = spawn(name, [
         sys.executable, "-m", "app.cli", "serve", "--upstream", upstream.url, "--port", str(port),
+        "--workers", str(workers),
     ], tmp, port, env)
     wait_ready(server, "/api/health")
     return server
@@ -597,6 +628,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--loadgen-procs", type=int, default=1, help="load generator processes")
     p.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx",
                    help="nginx binary (the column is skipped if it is missing)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1],
+                   help="also run phasewatch with each of these --workers counts (default 1: "
+                        "one process only); e.g. --workers 1 2")
+    p.add_argument("--capacity-rates", type=float, nargs="*", default=[],
+                   help="then, at --capacity-concurrency streams, run each of these chunk "
+                        "rates (chunks/s) and report the highest each path relays with chunk "
+                        f"lag p99 under {CAPACITY_LAG_P99_MS:g} ms")
+    p.add_argument("--capacity-concurrency", type=int, default=256)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, default=None,
                    help="where to write results (default benchmarks/results/...json)")
@@ -626,6 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     runs: list[Run] = []
     speed: dict[str, float] = {}
+    capacity: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="phasewatch-bench-") as tmpname:
         tmp = Path(tmpname)
         servers: list[Server] = []
@@ -634,6 +674,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers.append(upstream)
             proxies = {"phasewatch": start_phasewatch(upstream, tmp)}
             servers.append(proxies["phasewatch"])
+            for workers in args.workers:
+                if workers > 1:
+                    server = start_phasewatch(upstream, tmp, workers)
+                    proxies[server.name] = server
+                    servers.append(server)
+                    paths.insert(paths.index("phasewatch") + 1, server.name)
             if "nginx" in paths:
                 try:
                     proxies["nginx"] = start_nginx(args.nginx, upstream, tmp)
@@ -659,6 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               f"{fmt(run.proxy_cpu_us_per_chunk, ' us', digits=1)}, "
                               f"errors {sum(run.errors.values())}", flush=True)
                         time.sleep(0.5)
+            if args.capacity_rates:
+                capacity = measure_capacity(args, paths, targets, upstream, proxies, tmp, runs)
             for server in servers:
                 if server.proc.poll() is not None:
                     print(f"WARNING: {server.name} exited during the benchmark:\n"
@@ -666,9 +714,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             for server in reversed(servers):
                 stop(server)
-    summaries = {c: summarize(runs, c, paths) for c in args.concurrency}
+    main_runs = [r for r in runs if r.extra.get("capacity") is None]
+    summaries = {c: summarize(main_runs, c, paths) for c in args.concurrency}
     for c in args.concurrency:
         print_level(shapes[c], summaries[c], paths, args.loadgen_procs)
+    if args.capacity_rates:
+        print_capacity(args, capacity, paths)
     checks = check_targets(summaries)
     print("\ntargets:")
     for check in checks:
@@ -685,11 +736,64 @@ def main(argv: Sequence[str] | None = None) -> int:
         "shapes": {str(c): asdict(shape) for c, shape in shapes.items()},
         "runs": [asdict(r) for r in runs],
         "summary": {str(c): s for c, s in summaries.items()},
+        "capacity": capacity if args.capacity_rates else None,
         "targets": checks,
     }, indent=2))
     print(f"\nresults written to {out}")
     missed = any(check["met"] is False for check in checks)
     return 1 if missed and args.fail_on_miss else 0
+
+
+def measure_capacity(args: argparse.Namespace, paths: Sequence[str],
+                     targets: dict[str, Server], upstream: Server, proxies: dict[str, Server],
+                     tmp: Path, runs: list[Run]) -> dict[str, Any]:
+    """Each path at each chunk rate (same streams, shorter gaps); lag p99 and CPU per chunk,
+    medians over repeats. The load generator and upstream share the cores with the proxy, so
+    the rate at which lag gives way is this machine's, not the proxy's alone."""
+    out: dict[str, Any] = {}
+    for rate in args.capacity_rates:
+        shape = make_shape(argparse.Namespace(**{**vars(args), "chunk_rate": rate}),
+                           args.capacity_concurrency)
+        per_path: dict[str, list[Run]] = {path: [] for path in paths}
+        for repeat in range(args.repeats):
+            k = repeat % len(paths)
+            for path in paths[k:] + paths[:k]:
+                run = one_run(args, path, targets[path], upstream, proxies, shape, repeat, tmp)
+                run.extra["capacity"] = rate
+                runs.append(run)
+                per_path[path].append(run)
+                print(f"  capacity {rate:,.0f} chunks/s repeat {repeat + 1}/{args.repeats} "
+                      f"{path:<14} lag p99 {fmt(run.lag_p99_ms)} ms, CPU/chunk "
+                      f"{fmt(run.proxy_cpu_us_per_chunk, ' us', digits=1)}, errors "
+                      f"{sum(run.errors.values())}", flush=True)
+                time.sleep(0.5)
+        out[str(rate)] = {path: {
+            "lag_p99_ms": median([r.lag_p99_ms for r in mine]),
+            "cpu_us_per_chunk": median([r.proxy_cpu_us_per_chunk for r in mine]),
+            "errors": sum(sum(r.errors.values()) for r in mine),
+        } for path, mine in per_path.items()}
+    return out
+
+
+def print_capacity(args: argparse.Namespace, capacity: dict[str, Any],
+                   paths: Sequence[str]) -> None:
+    print(f"\n== capacity at {args.capacity_concurrency} streams: chunk lag p99 (ms) / CPU per "
+          f"chunk (us) by chunk rate; medians over {args.repeats} repeat(s) ==")
+    print(f"{'chunks/s':>10}" + "".join(f"{path:>22}" for path in paths))
+    for rate, entry in capacity.items():
+        cells = "".join(
+            f"{fmt(entry[p]['lag_p99_ms']) + ' / ' + fmt(entry[p]['cpu_us_per_chunk'], digits=1):>22}"  # noqa: E501
+            for p in paths)
+        print(f"{float(rate):>10,.0f}{cells}")
+    print(f"highest rate with lag p99 < {CAPACITY_LAG_P99_MS:g} ms and no errors (the load "
+          "generator and the upstream share the machine's cores; CPU per chunk does not "
+          "depend on that):")
+    for path in paths:
+        held = [float(rate) for rate, entry in capacity.items()
+                if entry[path]["lag_p99_ms"] is not None and not entry[path]["errors"]
+                and entry[path]["lag_p99_ms"] < CAPACITY_LAG_P99_MS]
+        print(f"  {path:<14} {max(held):,.0f} chunks/s" if held else
+              f"  {path:<14} none of the rates tried")
 
 
 def print_header(args: argparse.Namespace, shapes: dict[int, Shape], nginx_note: str,
