@@ -60,7 +60,7 @@ class ClientLeg:
         if cycle is None or cycle.disconnected or cycle.response_complete:
             return
         transport = cycle.transport
-        if not transport.is_closing():
+        if not transport.is_closing():  # closed, and its connection_lost not yet called
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 

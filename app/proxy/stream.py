@@ -55,7 +55,12 @@ class StreamFeed:
         if (data.count(b"\n") == 2 and data.endswith(b"\n\n") and data.startswith(b"data: ")
                 and b"\r" not in data and self._decoder.idle):
             # The usual read: exactly one whole one-line event (vLLM writes each chunk in one
-            # piece). The splitter would return it unchanged; skip it.
+            # piece). The splitter would return it unchanged, and its data is what follows
+            # `data: `: skip both.
+            if not self._rewrite:
+                if self._note_data(data[6:-2], now).kind is Kind.DONE:
+                    self.done = True
+                return data
             events: list[bytes] | tuple[bytes] = (data,)
         else:
             events = self._decoder.decode(data)
@@ -106,6 +111,10 @@ class StreamFeed:
         data = event_data(raw)
         if data is None:
             return _COMMENT
+        return self._note_data(data, now)
+
+    def _note_data(self, data: bytes, now: int) -> EventInfo:
+        """Update timing from one event's data."""
         info = classify(data)
         timing = self._timing
         if info.has_usage:
