@@ -170,6 +170,14 @@ def calibrate() -> dict[str, float]:
     return out
 
 
+def raise_fd_limit() -> None:
+    """Open-file limit up to the hard limit: children inherit it, room for every socket."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
+                                                    else 65536, hard))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -652,10 +660,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:  # children inherit: room for the sockets
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                    else 65536, hard))
+    raise_fd_limit()
     shapes = {c: make_shape(args, c) for c in args.concurrency}
     paths = list(PATHS)
     nginx_note = ""

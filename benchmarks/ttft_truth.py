@@ -88,6 +88,7 @@ from proxy_overhead import (  # noqa: E402
     median,
     percentile_ms,
     proc_cpu_ticks,
+    raise_fd_limit,
     start_phasewatch,
     start_upstream,
     stop,
@@ -583,10 +584,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:  # children inherit: room for the sockets
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                    else 65536, hard))
+    raise_fd_limit()
     stream_s = args.first_delay_ms / 1000 + args.chunks * args.interval_ms / 1000
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     run_tag = secrets.token_hex(3)
