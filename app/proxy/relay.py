@@ -19,7 +19,6 @@ aborts the request instead of generating for nobody.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import Coroutine
@@ -320,10 +319,7 @@ class Exchange:
         if task.done():
             return task.result()
         task.cancel()
-        with contextlib.suppress(BaseException):
-            result = await task
-            if isinstance(result, UpstreamConnection):
-                result.close()
+        task.add_done_callback(_close_unwanted)  # not awaited: this task may be cancelled too
         return None
 
     async def _ended_before_head(self, send: Send) -> bool:
@@ -459,6 +455,16 @@ class Exchange:
             if self.phase is not Phase.STREAMING:
                 return
             await self._next()
+
+
+def _close_unwanted(task: asyncio.Future[Any]) -> None:
+    """A connection that was still being opened when its exchange ended: close it if it opened
+    after all (and take the task's error, if any, so that nothing is logged for it)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if isinstance(result, UpstreamConnection):
+        result.close()
 
 
 def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:

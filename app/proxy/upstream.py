@@ -1,7 +1,9 @@
-"""The upstream HTTP client: one aiohttp session per app, sized for thousands of open streams.
+"""The pass-through's HTTP client: one aiohttp session per app, for the upstream's other paths.
 
-aiohttp rather than httpx's own transport on this leg: it costs about a third of the CPU per
-relayed chunk and does not collapse past ~100 concurrent streams (see the overhead benchmark).
+`/v1/models`, `/tokenize`, `/health` and the rest are relayed with aiohttp: they are not on the
+hot path. The two timed inference paths go through the relay's own protocol-level connections
+(`upstream_pool.py`), which hand each read to the relay from the event loop's read callback
+instead of waking a task per chunk as aiohttp's response reader does.
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ def create_upstream_session(settings: Settings) -> aiohttp.ClientSession:
         ttl_dns_cache=60,
         keepalive_timeout=30,
     )
-    # No total timeout: a request may queue and prefill for minutes. The silence allowed
-    # between two reads is enforced by the relay's idle watchdog, not by `sock_read`, which
-    # would re-arm a timer on every chunk.
+    # No total timeout here; the pass-through sets aiohttp's own read timeout per request.
     timeout = aiohttp.ClientTimeout(
         total=None,
         connect=None,
