@@ -18,6 +18,8 @@ not known yet, and holding the chunk to the end would delay its choice.)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from app.core.events import (
     EventInfo,
     Kind,
@@ -35,7 +37,7 @@ _COMMENT = EventInfo(Kind.OTHER)
 
 
 class StreamFeed:
-    __slots__ = ("_decoder", "_held", "_hold", "_record", "_rewrite", "_strip_chunk",
+    __slots__ = ("_decoder", "_held", "_hold", "_record", "_rewrites", "_strip_chunk",
                  "_strip_final", "_timing", "done", "unterminated")
 
     def __init__(self, plan: RequestPlan, record: RequestRecord, timing: StreamTiming) -> None:
@@ -44,7 +46,7 @@ class StreamFeed:
         self._timing = timing
         self._strip_final = plan.strip_final_usage
         self._strip_chunk = plan.strip_chunk_usage
-        self._rewrite = plan.strip_final_usage or plan.strip_chunk_usage
+        self._rewrites = plan.strip_final_usage or plan.strip_chunk_usage
         self._hold = plan.strip_final_usage  # the usage chunk, and its fingerprint, will be cut
         self._held: list[bytes] = []  # terminal chunks waiting for the event after them
         self.done = False  # `data: [DONE]` has been read (and so forwarded with this read)
@@ -57,21 +59,30 @@ class StreamFeed:
             # The usual read: exactly one whole one-line event (vLLM writes each chunk in one
             # piece). The splitter would return it unchanged, and its data is what follows
             # `data: `: skip both.
-            if not self._rewrite:
-                if self._note_data(data[6:-2], now).kind is Kind.DONE:
-                    self.done = True
+            info = self._note_data(data[6:-2], now)
+            if info.kind is Kind.DONE:
+                self.done = True
+            if not self._rewrites:
                 return data
-            events: list[bytes] | tuple[bytes] = (data,)
-        else:
-            events = self._decoder.decode(data)
-        if not self._rewrite:
+            if info.kind is not Kind.USAGE and not info.finished and not self._held:
+                # Nothing to hold or stamp: at most this chunk's running usage is cut.
+                if self._strip_chunk and b'"usage":' in data:
+                    return strip_usage(data)
+                return data
+            return self._rewrite(((data, info),))
+        events = self._decoder.decode(data)
+        if not self._rewrites:
             for raw in events:
                 if self._note(raw, now).kind is Kind.DONE:
                     self.done = True
             return data
+        return self._rewrite([(raw, self._note(raw, now)) for raw in events])
+
+    def _rewrite(self, events: Iterable[tuple[bytes, EventInfo]]) -> bytes:
+        """The bytes to forward for these timed events, with usage the client did not ask for
+        cut out and terminal chunks held for the fingerprint."""
         parts: list[bytes] = []
-        for raw in events:
-            info = self._note(raw, now)
+        for raw, info in events:
             kind = info.kind
             if kind is Kind.DONE:
                 self.done = True
@@ -102,7 +113,7 @@ class StreamFeed:
             self.unterminated = True
             if self._note(raw, now).kind is Kind.DONE:
                 self.done = True
-            if self._rewrite:
+            if self._rewrites:
                 out += raw
         return out
 
