@@ -138,3 +138,54 @@ def test_a_reused_connection_closed_by_the_upstream_is_retried_once(
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == "hi"
     assert [proxy.next_record().outcome for _ in range(3)] == ["ok"] * 3
     assert closing_upstream.connections == 3  # each reuse failed, and was retried once
+
+
+class CloseDelimitedUpstream(ClosingUpstream):
+    """A transport double for an upstream that ends its body by closing the connection (no
+    content-length, not chunked), as HTTP/1.0-style servers do."""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        _, _, rest = head.lower().partition(b"content-length: ")
+        body = orjson.loads(await reader.readexactly(int(rest.split(b"\r\n")[0] or 0)))
+        if body.get("stream"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"connection: close\r\n\r\n")
+            for i in range(3):
+                usage = {"prompt_tokens": 1, "completion_tokens": i + 1}
+                chunk = {"choices": [{"index": 0, "text": f"t{i}"}], "usage": usage}
+                writer.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await writer.drain()
+            writer.write(b"data: [DONE]\n\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"connection: close\r\n\r\n"
+                         b'{"choices":[{"text":"hi"}],"usage":{"completion_tokens":1}}')
+        await writer.drain()
+        writer.close()
+
+
+@pytest.fixture
+def close_delimited_upstream() -> Iterator[CloseDelimitedUpstream]:
+    upstream = CloseDelimitedUpstream()
+    upstream.thread.start()
+    upstream.ready.wait(5)
+    yield upstream
+    upstream.loop.call_soon_threadsafe(upstream.loop.stop)
+
+
+def test_a_body_ended_by_closing_the_connection_is_relayed_whole(
+    close_delimited_upstream: CloseDelimitedUpstream, make_proxy: Any
+) -> None:
+    proxy = make_proxy(f"http://127.0.0.1:{close_delimited_upstream.port}",
+                       engine_metrics_enabled=False, diagnosis_interval_s=0)
+    response = httpx.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "hi"
+    with httpx.stream("POST", proxy.url + "/v1/completions",
+                      json={"model": "m", "prompt": "x", "stream": True}) as streamed:
+        body = streamed.read()
+    assert body.count(b'"text":"t') == 3 and body.endswith(b"data: [DONE]\n\n")
+    assert b"usage" not in body  # asked for by phasewatch, cut for the client
+    records = [proxy.next_record() for _ in range(2)]
+    assert [r.outcome for r in records] == ["ok", "ok"]
+    assert records[1].output_tokens == 3 and records[1].itl_count == 2
