@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -24,6 +24,7 @@ from tests.proxy.test_relay_timing import LEG_TOLERANCE_S, stream, upstream_log
 from tests.proxy.test_transparency import SCRIPT, raw_stream
 
 BODY = {"model": "scripted", "prompt": "x", "stream": True}
+T = TypeVar("T", bound="ClosingUpstream")
 
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
@@ -119,13 +120,17 @@ class ClosingUpstream:
             answered += 1
 
 
-@pytest.fixture
-def closing_upstream() -> Iterator[ClosingUpstream]:
-    upstream = ClosingUpstream()
+def running(upstream: T) -> Iterator[T]:
+    """Serve a double on its own thread and loop for the length of a fixture."""
     upstream.thread.start()
     upstream.ready.wait(5)
     yield upstream
     upstream.loop.call_soon_threadsafe(upstream.loop.stop)
+
+
+@pytest.fixture
+def closing_upstream() -> Iterator[ClosingUpstream]:
+    yield from running(ClosingUpstream())
 
 
 def test_a_reused_connection_closed_by_the_upstream_is_retried_once(
@@ -167,11 +172,7 @@ class CloseDelimitedUpstream(ClosingUpstream):
 
 @pytest.fixture
 def close_delimited_upstream() -> Iterator[CloseDelimitedUpstream]:
-    upstream = CloseDelimitedUpstream()
-    upstream.thread.start()
-    upstream.ready.wait(5)
-    yield upstream
-    upstream.loop.call_soon_threadsafe(upstream.loop.stop)
+    yield from running(CloseDelimitedUpstream())
 
 
 def test_a_body_ended_by_closing_the_connection_is_relayed_whole(
