@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -45,7 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        prepare_serving(settings, overrides)  # the workers' environment, the schema once
+        # The workers' environment, the open-file limit, the schema once.
+        connections = prepare_serving(settings, overrides)
     except SchemaError as exc:
         print(f"phasewatch: {exc}", file=sys.stderr)
         return 2
@@ -56,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         loop="uvloop",
         # uvicorn's httptools protocol, plus the relay's arrival stamp and direct body writes.
         http=PhasewatchHttpProtocol,
@@ -65,6 +68,12 @@ def _serve(args: argparse.Namespace) -> int:
         backlog=4096,
         proxy_headers=False,  # a relay has no use for X-Forwarded-For: skip that per-request work
         timeout_keep_alive=75,
+        # phasewatch ends its own streams when its grace is over (app/proxy/shutdown.py);
+        # uvicorn's own cut-off, which would end them without a word, comes only after.
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + 10,
+        # A connection past `connections` is answered 503 at once (PhasewatchHttpProtocol
+        # refuses the one that reaches this), so descriptors never run out mid-stream.
+        limit_concurrency=connections + 1,
     )
     return 0
 

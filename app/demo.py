@@ -127,7 +127,10 @@ def running_stack(options: StackOptions) -> Iterator[Stack]:
         sim_log = logs / "sim.log" if options.quiet else None
         proxy_log = logs / "proxy.log" if options.quiet else None
         sim = stack.enter_context(_child(sim_args, sim_log))
-        proxy_env = {"PHASEWATCH_DATABASE_URL": database_url}
+        # A sandbox on this machine's loopback only: its admin API (records, stats, run ids)
+        # is open to the bench in this process and to the user, unless a token is set.
+        proxy_env = {"PHASEWATCH_DATABASE_URL": database_url, "PHASEWATCH_HOST": "127.0.0.1",
+                     "PHASEWATCH_ADMIN_OPEN": "true"}
         if options.quiet:
             proxy_env["PHASEWATCH_LOG_LEVEL"] = "warning"
         proxy = stack.enter_context(_child(
@@ -164,6 +167,7 @@ def run_up(options: StackOptions) -> int:
                 f"metrics     {stack.proxy_url}/metrics\n"
                 f"stats       {stack.proxy_url}/api/stats?window=5m&by=model\n"
                 f"requests    {stack.proxy_url}/api/requests\n"
+                "admin API   open to this machine only (a deployment keeps it closed: README)\n"
                 f"records in  {stack.database_url}\n"
                 "Ctrl-C stops both.",
                 flush=True,

@@ -1,15 +1,15 @@
 """The application factory: `create_app(settings)` wires the proxy together. Nothing at import time.
 
-The lifespan builds the database engine (checking the schema), the record writer and
-idle-watchdog tasks, the upstream client and the metrics, the diagnosis (docs/diagnosis.md),
-and the leadership that runs retention, the engine-metrics scrape and the diagnosis schedule
-in one process per database (app/store/leader.py). `serve_app` is what `phasewatch serve` runs
-in each of its workers; `/metrics` serves all of theirs (app/core/exposition.py). A small
-pure-ASGI dispatcher sends the
-two timed inference paths straight to the relay and everything that is not phasewatch's own
-(`/metrics`, `/api/...`, the OpenAPI docs) to the pass-through; only the latter reach FastAPI.
-Keeping the hot path out of FastAPI's middleware stack saves about 15% of the CPU per relayed
-chunk (measured); no HTTP middleware at all (a BaseHTTPMiddleware doubles that cost).
+The lifespan builds the database engine (checking the schema), the record writer and the
+live registry's task (idle timeout, live gauges), the upstream client and the metrics, the
+diagnosis (docs/diagnosis.md), and the leadership that runs retention, the engine-metrics
+scrape and the diagnosis schedule in one process per database (app/store/leader.py).
+`serve_app` is what `phasewatch serve` runs in each of its workers; `/metrics` serves all of
+theirs (app/core/exposition.py). A small pure-ASGI dispatcher sends the two timed inference
+paths straight to the relay and everything that is not phasewatch's own (`/metrics`,
+`/api/...`, the OpenAPI docs) to the pass-through; only the latter reach FastAPI. Keeping the
+hot path out of FastAPI's middleware stack saves about 15% of the CPU per relayed chunk
+(measured); no HTTP middleware at all (a BaseHTTPMiddleware doubles that cost).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import Any
 
 import aiohttp
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from sqlalchemy.engine import make_url
 from starlette.datastructures import State
@@ -35,7 +37,15 @@ from app.api import diagnosis as diagnosis_api
 from app.api import requests as requests_api
 from app.api import runs as runs_api
 from app.api import stats as stats_api
-from app.api.errors import http_error, validation_error
+from app.api.errors import (
+    DATABASE_ERRORS,
+    database_error,
+    error_response,
+    http_error,
+    reject_nul,
+    validation_error,
+)
+from app.core.admin import AdminAccess, is_admin_path
 from app.core.db import create_engine, create_sessionmaker
 from app.core.exposition import Exposition
 from app.core.metrics import ProxyMetrics
@@ -45,15 +55,18 @@ from app.diagnosis.metrics import DiagnosisMetrics
 from app.diagnosis.service import DiagnosisService
 from app.engine.metrics import EngineScrapeMetrics
 from app.engine.scraper import EngineScraper
-from app.proxy.asgi import Receive, Scope, Send
+from app.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
+from app.proxy.client_leg import SHUTDOWN_HOOK
 from app.proxy.context import ProxyContext
 from app.proxy.labels import ModelLabels
+from app.proxy.live import LiveGauges, LiveStreams
 from app.proxy.passthrough import pass_through
 from app.proxy.relay import ENDPOINTS, relay
+from app.proxy.shutdown import Shutdown, Stage
 from app.proxy.upstream import create_upstream_session
 from app.proxy.upstream_pool import UpstreamPool
-from app.proxy.watchdog import IdleWatchdog
 from app.store.leader import Duty, Leadership, LeadershipMetrics, leader_lock
+from app.store.live_publisher import LivePublisher
 from app.store.migrate import prepare_schema
 from app.store.retention import run_retention
 from app.store.writer import RecordWriter
@@ -64,11 +77,13 @@ OWN_PATHS = ("/metrics", "/api/", "/docs", "/redoc", "/openapi.json")
 
 
 class Phasewatch:
-    """The ASGI app: the relay for inference, FastAPI for phasewatch's own routes, the
-    pass-through for the rest of the upstream's API."""
+    """The ASGI app: the relay for inference, FastAPI for phasewatch's own routes (the admin
+    ones only for callers app/core/admin.py allows), the pass-through for the rest of the
+    upstream's API."""
 
-    def __init__(self, api: FastAPI) -> None:
+    def __init__(self, api: FastAPI, admin: AdminAccess) -> None:
         self.api = api
+        self.admin = admin
 
     @property
     def state(self) -> State:
@@ -83,6 +98,11 @@ class Phasewatch:
                 return
             if not path.startswith(OWN_PATHS):
                 await pass_through(self.api.state.proxy, scope, receive, send)
+                return
+            if is_admin_path(path) and not self.admin.allows(scope["headers"]):
+                status, message = self.admin.refusal()
+                await send_error(send, status, message, "permission_denied",
+                                 (header(scope, REQUEST_ID) or b"-").decode("latin-1"))
                 return
         await self.api(scope, receive, send)
 
@@ -99,10 +119,13 @@ def create_app(
     benchmark as chunk-lag p99).
     """
     registry = registry if registry is not None else CollectorRegistry()
-    exposition = Exposition(registry, settings.metrics_dir)  # one process's, or every worker's
+    token = settings.admin_token.get_secret_value() if settings.admin_token else None
+    admin = AdminAccess(token, settings.admin_open)
+    # One process's metrics, or every worker's; rendered at most once per metrics_cache_s.
+    exposition = Exposition(registry, settings.metrics_dir, settings.metrics_cache_s)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         metrics = ProxyMetrics(registry, settings.slo_ttft_s, settings.slo_itl_s)
         engine = create_engine(settings.database_url)
         try:
@@ -111,13 +134,16 @@ def create_app(
             await engine.dispose()
             raise
         app.state.sessionmaker = create_sessionmaker(engine)
-        records = RecordQueue(settings.record_queue_size, metrics.records_dropped.inc)
+        records = RecordQueue(settings.record_queue_size, metrics.records_dropped.inc,
+                              metrics.record_queue_depth.set)
         writer = RecordWriter(records, engine, metrics, settings.writer_batch_size,
                               settings.writer_flush_interval_s)
         session = create_upstream_session(settings)
         pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s,
                             settings.upstream_max_connections)
-        watchdog = IdleWatchdog(settings.upstream_idle_timeout_s)
+        live = LiveStreams(settings.upstream_idle_timeout_s, settings.stall_threshold_s,
+                           LiveGauges(registry), settings.live_snapshot_max_requests,
+                           settings.client_stall_timeout_s)
         app.state.proxy = ProxyContext(
             settings=settings,
             session=session,
@@ -126,7 +152,9 @@ def create_app(
             labels=ModelLabels(settings.max_model_labels),
             records=records,
             upstream=settings.upstream_base,
-            watchdog=watchdog,
+            live=live,
+            admin=admin,
+            shutdown=Shutdown(live, settings.shutdown_grace_s),
             passthrough_timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=settings.upstream_connect_timeout_s,
                 sock_read=settings.upstream_idle_timeout_s),
@@ -134,8 +162,18 @@ def create_app(
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
             asyncio.create_task(writer.run(), name="record-writer"),
-            asyncio.create_task(watchdog.run(), name="idle-watchdog"),
+            asyncio.create_task(live.run(), name="live-streams"),
         ]
+        # Every process publishes its requests in flight, so any of them diagnoses from the
+        # live state of all (docs/diagnosis.md, "Requests still in flight").
+        app.state.live_publisher = LivePublisher(
+            app.state.proxy.live.snapshot, app.state.sessionmaker,
+            settings.live_snapshot_interval_s,
+            keep_s=max(settings.diagnosis_live_max_age_s, 3 * settings.live_snapshot_interval_s),
+            max_requests=settings.live_snapshot_max_requests)
+        if settings.live_snapshot_interval_s > 0:
+            tasks.append(asyncio.create_task(app.state.live_publisher.run(),
+                                             name="live-publisher"))
         # Retention, the engine scrape and the diagnosis schedule run once per database, in the
         # one process (of every worker and replica) that leads; every process answers the API.
         duties: dict[str, Duty] = {"retention": lambda: run_retention(
@@ -162,27 +200,53 @@ def create_app(
             gc.freeze()
         log.info("phasewatch %s relaying to %s, storing in %s", __version__,
                  settings.upstream_base, make_url(settings.database_url).render_as_string())
+        shutdown: Shutdown = app.state.proxy.shutdown
+        shutdown.install()  # under `phasewatch serve`: SIGTERM drains, a second one ends
+        app.state.writer = writer
         try:
-            yield
+            # The server protocol starts the drain when uvicorn starts shutting down, however
+            # the signal reached it (app/proxy/client_leg.py).
+            yield {SHUTDOWN_HOOK: shutdown.begin}
         finally:
+            shutdown.uninstall()
+            shutdown.end_streams()  # none should be left by now; none may outlive the app
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await session.close()
             pool.close()
-            await writer.flush(timeout_s=10)
+            await writer.flush(timeout_s=settings.shutdown_flush_s)
             await engine.dispose()
 
     app = FastAPI(title="phasewatch", version=__version__, lifespan=lifespan)
     app.state.registry = registry
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
+    for error in DATABASE_ERRORS:
+        app.add_exception_handler(error, database_error)
     for router in (requests_api.router, runs_api.router, stats_api.router, diagnosis_api.router):
-        app.include_router(router)
+        app.include_router(router, dependencies=[Depends(reject_nul)])
 
     @app.get("/metrics", include_in_schema=False)
-    def metrics() -> Response:
-        return Response(exposition.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics() -> Response:
+        return Response(await exposition.latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/api/ready", responses={503: {"description": "not ready: shutting down, or "
+                                                 "records cannot be stored"}})
+    def ready() -> JSONResponse:
+        """Readiness: whether this process should be sent traffic. 503 from the moment it
+        starts shutting down (SIGTERM), and while its record writer has failed to store for
+        longer than `PHASEWATCH_READY_WRITER_FAILING_S`; `/api/health` is liveness only."""
+        proxy = app.state.proxy
+        reasons = []
+        if proxy.shutdown.stage is not Stage.SERVING:
+            reasons.append(f"shutting down ({proxy.shutdown.stage.value})")
+        failing_s = app.state.writer.failing_for_s()
+        if failing_s > settings.ready_writer_failing_s:
+            reasons.append(f"records have not been stored for {failing_s:.0f} s")
+        if reasons:
+            return error_response(503, "not ready: " + "; ".join(reasons), "not_ready")
+        return JSONResponse({"status": "ready"})
 
     @app.get("/api/health")
     def health() -> dict[str, str | int]:
@@ -192,7 +256,7 @@ def create_app(
         return {"status": "ok", "version": __version__, "upstream": settings.upstream_base,
                 "pid": os.getpid(), "role": app.state.leadership.role.value}
 
-    return Phasewatch(app)
+    return Phasewatch(app, admin)
 
 
 def serve_app() -> Phasewatch:

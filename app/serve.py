@@ -19,6 +19,7 @@ import asyncio
 import atexit
 import logging
 import os
+import resource
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -34,6 +35,33 @@ log = logging.getLogger(__name__)
 METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
+# Descriptors kept free of client and upstream connections: the listening socket, the
+# database, log files, the metrics files of several workers.
+FD_RESERVE = 64
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit (inherited by the workers);
+    the limit it has now. Every stream holds two descriptors (client and upstream): the
+    default soft limit of 1,024 would refuse streams with "Too many open files" near 500."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d (%s)", soft, exc)
+    return soft
+
+
+def connection_capacity(open_files: int) -> int:
+    """Client connections one process can hold with an upstream connection each, leaving
+    `FD_RESERVE` descriptors; past it, new connections are refused with a 503
+    (app/proxy/client_leg.py) before any descriptor runs out."""
+    return max(1, (open_files - FD_RESERVE) // 2)
+
+
 def usable_cores() -> int:
     """CPUs this process may run on (its affinity; a container's CPU quota is not seen)."""
     return len(os.sched_getaffinity(0))
@@ -47,12 +75,17 @@ async def _prepare_database(settings: Settings) -> None:
         await engine.dispose()
 
 
-def prepare_serving(settings: Settings, flags: Mapping[str, object]) -> None:
+def prepare_serving(settings: Settings, flags: Mapping[str, object]) -> int:
     """Make this process's environment the one its workers start in: `flags` (settings field
-    -> value, from the command line) as variables, and the metrics directory when needed.
-    Raises app.store.migrate.SchemaError (a sentence for a person) when the schema is not the
-    code's and may not be upgraded."""
+    -> value, from the command line) as variables, the open-file limit raised, and the metrics
+    directory when needed. Returns the client connections each worker may hold. Raises
+    app.store.migrate.SchemaError (a sentence for a person) when the schema is not the code's
+    and may not be upgraded."""
     os.environ.update({ENV_PREFIX + name.upper(): str(value) for name, value in flags.items()})
+    open_files = raise_open_file_limit()
+    capacity = settings.max_client_connections or connection_capacity(open_files)
+    log.info("open-file limit %d: up to %d client connections (streams) per worker; more are "
+             "refused with 503", open_files, capacity)
     if settings.workers > 1 or settings.metrics_dir is not None:
         directory = settings.metrics_dir
         if directory is None:
@@ -65,3 +98,4 @@ def prepare_serving(settings: Settings, flags: Mapping[str, object]) -> None:
             log.warning("%d workers on %d usable cores: more workers than cores only adds "
                         "contention (README, How to scale)", settings.workers, usable_cores())
         asyncio.run(_prepare_database(settings))
+    return capacity

@@ -233,7 +233,7 @@ def start_upstream(args: argparse.Namespace, tmp: Path) -> Server:
 def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1) -> Server:
     port = free_port()
     name = "phasewatch" if workers == 1 else f"phasewatch-w{workers}"
-    env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning",
+    env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
            "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / (name + '.db')}"}
     server = spawn(name, [
         sys.executable, "-m", "app.cli", "serve", "--upstream", upstream.url, "--port", str(port),

@@ -98,7 +98,8 @@ class InProcessProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.registry = CollectorRegistry()
         settings = load_settings(upstream_url=upstream, database_url=database_url,
-                                 record_queue_size=queue_size, log_level="warning")
+                                 record_queue_size=queue_size, log_level="warning",
+                                 admin_open=True)
         self.app = create_app(settings, registry=self.registry)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                 loop="none", http="httptools", backlog=4096)

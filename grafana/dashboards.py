@@ -251,6 +251,31 @@ def build(spec: SloSpec) -> dashboard.Dashboard:
     for slo in ("ttft", "itl"):  # TTFT on the left, ITL on the right, on every row
         board = board.with_panel(attainment(spec, slo)).with_panel(burn(slo))
 
+    board = board.with_row(dashboard.Row("Now: streams in flight"))
+    ttft_threshold = spec.default.objective("ttft").threshold_s
+    board = board.with_panel(series(
+        "Streams waiting for a first token | decoding",
+        "Open streams at the proxy, per model, refreshed every second: waiting (queued or in "
+        "prefill: no first token yet) and decoding; the engine's own waiting queue and running "
+        "batch beside them. Waiting growing while decoding holds is queueing.", "short",
+        [(f"sum by (model) (phasewatch_streams_waiting{{{PROXY}}})", "waiting {{model}}"),
+         (f"sum by (model) (phasewatch_streams_decoding{{{PROXY}}})", "decoding {{model}}"),
+         (f"sum(vllm:num_requests_waiting{{{ENGINE}}})", "engine waiting"),
+         (f"sum(vllm:num_requests_running{{{ENGINE}}})", "engine running")],
+        width=10, height=7))
+    board = board.with_panel(threshold_lines(series(
+        "Oldest wait for a first token",
+        "Age of the oldest stream still waiting for its first token, per model: a TTFT still "
+        "being paid, seen before the request ends (the dashed line is the TTFT threshold).",
+        "s", [(f"max by (model) (phasewatch_oldest_waiting_seconds{{{PROXY}}})", "{{model}}")],
+        width=7, height=7), [(ttft_threshold, "red")]))
+    board = board.with_panel(series(
+        "Stalled streams",
+        "Decoding streams silent for longer than PHASEWATCH_STALL_THRESHOLD_S (default 5 s): "
+        "an engine stuck, or decode starved by long prefills.", "short",
+        [(f"sum by (model) (phasewatch_streams_stalled{{{PROXY}}})", "{{model}}")],
+        width=7, height=7))
+
     board = board.with_row(dashboard.Row("Diagnosis: which phase?"))
     board = board.with_panel(verdicts())
     board = board.with_panel(

@@ -85,7 +85,12 @@ def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
     def make(upstream: str, http: Any = None, **overrides: Any) -> Proxy:
         """`http`: uvicorn's protocol to serve with; default phasewatch's (as `serve` runs)."""
         registry = CollectorRegistry()
-        overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02, **overrides}
+        # The admin API opened, as on a trusted network: tests of other things read records
+        # through it (tests/test_admin_access.py tests the closed default). /metrics rendered
+        # afresh for each scrape: tests read it right after acting (tests/proxy/test_metrics.py
+        # tests the cache).
+        overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02,
+                     "admin_open": True, "metrics_cache_s": 0, **overrides}
         settings = load_settings(upstream_url=upstream, **overrides)
         server = ThreadServer(create_app(settings, registry=registry), http=http).start()
         started.append(server)

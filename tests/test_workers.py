@@ -49,6 +49,8 @@ def served(scripted_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "PHASEWATCH_ENGINE_METRICS_ENABLED": "false",
         "PHASEWATCH_WRITER_FLUSH_INTERVAL_S": "0.02",
         "PHASEWATCH_LOG_LEVEL": "warning",
+        "PHASEWATCH_ADMIN_OPEN": "true",
+        "PHASEWATCH_METRICS_CACHE_S": "0",
     }
     args = ["-m", "app.cli", "serve", "--workers", str(WORKERS), "--upstream", scripted_url,
             "--port", str(port)]

@@ -1,10 +1,19 @@
-"""Errors of the `/api` routes in the OpenAI error format, like the relayed ones."""
+"""Errors of the `/api` routes in the OpenAI error format, like the relayed ones.
+
+A database that is down or failing answers 503 (`database_unavailable`) with one log line and
+no traceback; a text parameter the database could not take (a NUL character) is refused as
+422 before any query runs.
+"""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 
@@ -33,3 +42,26 @@ async def http_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return error_response(exc.status_code, str(exc.detail), error_type)
+
+
+log = logging.getLogger(__name__)
+
+# What a failing database raises through SQLAlchemy (DBAPIError, its pool's TimeoutError) or
+# before it (a refused connection).
+DATABASE_ERRORS: tuple[type[Exception], ...] = (DBAPIError, PoolTimeout, OSError)
+
+
+async def database_error(request: Request, exc: Exception) -> JSONResponse:
+    first_line = (str(exc).splitlines() or [""])[0][:200]
+    log.warning("%s %s: database unavailable (%s: %s)", request.method, request.url.path,
+                type(exc).__name__, first_line)
+    return error_response(503, "the database is unavailable; retry shortly",
+                          "database_unavailable")
+
+
+def reject_nul(request: Request) -> None:
+    """A router dependency: no query parameter may hold a NUL character (PostgreSQL cannot
+    store or compare one)."""
+    for name, value in request.query_params.multi_items():
+        if "\x00" in value or "\x00" in name:
+            raise HTTPException(422, f"parameter {name!r} holds a NUL character")

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from app.bench.client import RequestResult, stream_request
-from app.bench.workload import REQUEST_ID_HEADER, RUN_ID_HEADER
+from app.bench.workload import REQUEST_ID_HEADER, RUN_ID_HEADER, admin_headers
 
 
 @dataclass(slots=True)
@@ -57,6 +57,7 @@ class Sender:
         headers = {REQUEST_ID_HEADER: f"{self.id_prefix}-{self.sent}"}
         if self.run_id:
             headers[RUN_ID_HEADER] = self.run_id
+            headers.update(admin_headers())
         self.sent += 1
         return await stream_request(self.session, self.url, self.body, headers, self.trace)
 

@@ -19,6 +19,7 @@ import orjson
 
 from app.bench.errors import WorkloadError
 from app.bench.stats import named_quantiles
+from app.bench.workload import admin_headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ class ProxyStats:
 
 
 async def _get(session: aiohttp.ClientSession, url: str, params: dict[str, Any]) -> Any:
-    async with session.get(url, params=params) as response:
+    async with session.get(url, params=params, headers=admin_headers()) as response:
         if response.status != 200:
             raise WorkloadError(f"{url} answered {response.status}")
         return await response.json(loads=orjson.loads)

@@ -9,6 +9,7 @@ prompt" means 256 prompt tokens on the server that answers; it refuses a server 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from time import monotonic_ns
 from typing import Any
@@ -22,9 +23,26 @@ from app.bench.prompts import SERVER, PromptBuilder
 
 RUN_ID_HEADER = "x-phasewatch-run-id"
 REQUEST_ID_HEADER = "x-request-id"
+ADMIN_TOKEN_VARIABLE = "PHASEWATCH_ADMIN_TOKEN"
 
-__all__ = ["RUN_ID_HEADER", "Burst", "WorkloadError", "burst", "client_session",
-           "completion_body", "exact_prompt", "first_model"]
+
+def admin_headers() -> dict[str, str]:
+    """phasewatch's admin token, from the variable the proxy itself reads: it opens `/api` and
+    lets the run id be honoured. Empty when it is unset (a proxy opened to all needs none)."""
+    token = os.environ.get(ADMIN_TOKEN_VARIABLE)
+    return {"x-phasewatch-admin-token": token} if token else {}
+
+__all__ = [
+    "RUN_ID_HEADER",
+    "Burst",
+    "WorkloadError",
+    "admin_headers",
+    "burst",
+    "client_session",
+    "completion_body",
+    "exact_prompt",
+    "first_model",
+]
 
 
 async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -76,7 +94,7 @@ async def burst(
     run_id: str | None = None,
 ) -> Burst:
     """Send `concurrency` copies of one completion request at once and wait for them all."""
-    headers = {RUN_ID_HEADER: run_id} if run_id else {}
+    headers = {RUN_ID_HEADER: run_id, **admin_headers()} if run_id else {}
     url = base_url + "/v1/completions"
     start = monotonic_ns()
     results = await asyncio.gather(

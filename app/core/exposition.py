@@ -21,9 +21,12 @@ injected registry, by the modules that own them (app/core/metrics.py and the pac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import os
 import re
+import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest, values
@@ -69,10 +72,21 @@ def prune_dead_workers(path: Path) -> list[int]:
 
 
 class Exposition:
-    """The bytes of one scrape of `/metrics`."""
+    """The bytes of one scrape of `/metrics`.
 
-    def __init__(self, registry: CollectorRegistry, multiprocess_dir: Path | None) -> None:
+    `latest()` is what the endpoint serves: rendered in a worker thread, never on the relay's
+    event loop; one render at a time, shared by every scrape that arrives while it runs; and
+    reused for `max_age_s` after it started, so a storm of scrapers costs at most one render
+    per `max_age_s` however many there are (rendering walks every series under the GIL).
+    """
+
+    def __init__(self, registry: CollectorRegistry, multiprocess_dir: Path | None,
+                 max_age_s: float = 0.0) -> None:
         self.multiprocess_dir = multiprocess_dir
+        self.max_age_s = max_age_s
+        self._cached = b""
+        self._cached_at = -math.inf
+        self._rendering: asyncio.Future[bytes] | None = None
         if multiprocess_dir is None:
             self._registry = registry
         else:
@@ -94,3 +108,19 @@ class Exposition:
         if self.multiprocess_dir is not None:
             prune_dead_workers(self.multiprocess_dir)
         return generate_latest(self._registry)
+
+    async def latest(self) -> bytes:
+        if time.monotonic() - self._cached_at < self.max_age_s:
+            return self._cached
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(self._render())
+        return await asyncio.shield(self._rendering)  # one scraper leaving cancels no render
+
+    async def _render(self) -> bytes:
+        try:
+            started = time.monotonic()
+            data = await asyncio.to_thread(self.render)
+            self._cached, self._cached_at = data, started
+            return data
+        finally:
+            self._rendering = None

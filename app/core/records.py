@@ -26,6 +26,8 @@ class Outcome(StrEnum):
     UNREACHABLE = "unreachable"  # no connection to the upstream (502 to the client)
     TIMEOUT = "timeout"  # the upstream went silent past the idle timeout (504 / broken stream)
     CANCELLED = "cancelled"  # the client went away first; the upstream request was closed
+    REJECTED = "rejected"  # phasewatch refused it (body over the limit); never sent upstream
+    SHUTDOWN = "shutdown"  # phasewatch shut down before it ended (its grace ran out)
 
 
 @dataclass(slots=True)
@@ -55,12 +57,24 @@ class RequestRecord:
 
 
 class RecordQueue:
-    """A bounded FIFO of finished records. `offer` never blocks; overflow is dropped and counted."""
+    """A bounded FIFO of finished records. `offer` never blocks; overflow is dropped and counted.
 
-    def __init__(self, maxsize: int, on_drop: Callable[[], None]) -> None:
+    Its depth is every record not yet stored: those queued and those the writer has taken and
+    not yet stored (it calls `release` once a batch is stored or refused). `on_depth` hears
+    each change, so the gauge is live even while the writer waits on a database that hangs.
+    """
+
+    def __init__(self, maxsize: int, on_drop: Callable[[], None],
+                 on_depth: Callable[[int], None] | None = None) -> None:
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize)
         self._on_drop = on_drop
+        self._on_depth = on_depth
+        self._held = 0  # taken by the writer, not yet stored
         self.dropped = 0
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize() + self._held
 
     def offer(self, record: RequestRecord) -> bool:
         try:
@@ -71,13 +85,25 @@ class RecordQueue:
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("record queue full: %d records dropped so far", self.dropped)
             return False
+        if self._on_depth is not None:
+            self._on_depth(self.depth)
         return True
 
+    def release(self, stored: int) -> None:
+        """The writer is done with `stored` records it took (stored, or refused for good)."""
+        self._held = max(0, self._held - stored)
+        if self._on_depth is not None:
+            self._on_depth(self.depth)
+
     async def get(self) -> RequestRecord:
-        return await self._queue.get()
+        record = await self._queue.get()
+        self._held += 1
+        return record
 
     def get_nowait(self) -> RequestRecord:
-        return self._queue.get_nowait()
+        record = self._queue.get_nowait()
+        self._held += 1
+        return record
 
     def qsize(self) -> int:
         return self._queue.qsize()

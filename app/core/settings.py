@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "PHASEWATCH_"
@@ -47,11 +47,43 @@ class Settings(BaseSettings):
     # Ask the upstream for per-chunk usage (`continuous_usage_stats`, a vLLM extension) so
     # each chunk's token count is exact. Turn off for upstreams that reject the field.
     upstream_continuous_usage: bool = True
+    # A client that takes nothing of its stream for this long (its socket buffer full) is cut
+    # off and its upstream request closed, rather than holding an engine slot until the
+    # upstream idle timeout.
+    client_stall_timeout_s: float = Field(default=60.0, gt=0)
+    # A decoding stream silent for longer than this counts as stalled on the live gauge
+    # `phasewatch_streams_stalled` (a long prefill of another request, a stuck engine).
+    stall_threshold_s: float = Field(default=5.0, gt=0)
 
     # The SLO thresholds; they become exact bucket edges of the TTFT and ITL histograms.
     slo_ttft_s: float = Field(default=0.5, gt=0)
     slo_itl_s: float = Field(default=0.04, gt=0)
 
+    # The largest request body accepted (bytes); a larger one is answered 413 and never read
+    # whole. 16 MiB holds any text prompt of a long context (and token-id prompts) with room.
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # Shutdown (README, "Stopping"): on SIGTERM open streams may run this long before they are
+    # ended with an in-band error; keep it below the orchestrator's kill deadline (Kubernetes'
+    # terminationGracePeriodSeconds) less `shutdown_flush_s` and a few seconds.
+    shutdown_grace_s: float = Field(default=60.0, ge=0)
+    # Then the queued records are stored for up to this long.
+    shutdown_flush_s: float = Field(default=10.0, gt=0)
+    # Readiness (`/api/ready`) fails once records have failed to store for this long.
+    ready_writer_failing_s: float = Field(default=30.0, gt=0)
+    # The admin surface (/api, the API docs, the run-id header): closed unless a token is set
+    # (then callers send it as x-phasewatch-admin-token) or it is opened to everyone.
+    admin_token: SecretStr | None = None
+    admin_open: bool = False
+    # A scrape of /metrics is rendered off the event loop and reused for this long, so that
+    # any number of scrapers costs at most one render per interval.
+    metrics_cache_s: float = Field(default=1.0, ge=0)
+    # uvicorn's access log (one line per request, with its path and query string, which can
+    # carry what clients consider private): off unless an operator turns it on.
+    access_log: bool = False
+    # Client connections a worker holds at once (each stream also needs an upstream one);
+    # past it new connections get a 503. 0: as many as the open-file limit allows, which
+    # `phasewatch serve` raises to its hard limit ((limit - 64) / 2).
+    max_client_connections: int = Field(default=0, ge=0)
     # Distinct model names that get their own metric label; later ones share "other".
     max_model_labels: int = Field(default=32, ge=1)
     # Finished-request records waiting to be stored; past this, records are dropped and counted.
@@ -73,9 +105,21 @@ class Settings(BaseSettings):
     # `diagnosis_window_s` is judged against the `diagnosis_baseline_s` before it; the verdict
     # is exported as metrics and each change is stored. 0 turns the schedule off (the API
     # still answers).
-    diagnosis_interval_s: float = Field(default=30.0, ge=0)
+    diagnosis_interval_s: float = Field(default=10.0, ge=0)
     diagnosis_window_s: float = Field(default=300.0, gt=0)
     diagnosis_baseline_s: float = Field(default=3600.0, gt=0)
+    # The schedule judges the last `diagnosis_recent_s` when it holds enough requests (a change
+    # shows within a minute), else the whole window.
+    diagnosis_recent_s: float = Field(default=60.0, gt=0)
+    # Hysteresis: a new verdict replaces the schedule's current one after this many rounds in a
+    # row, or at once when its confidence is at least `diagnosis_switch_confidence`.
+    diagnosis_hold_rounds: int = Field(default=2, ge=1)
+    diagnosis_switch_confidence: float = Field(default=0.95, gt=0, le=1)
+    # Live snapshots (requests still in flight) count when taken this long before `until`.
+    diagnosis_live_max_age_s: float = Field(default=10.0, gt=0)
+    # Every process publishes its requests in flight this often (0: never), at most this many.
+    live_snapshot_interval_s: float = Field(default=2.0, ge=0)
+    live_snapshot_max_requests: int = Field(default=1000, ge=1)
     # Timed requests each side needs before anything is judged (else "insufficient data").
     diagnosis_min_samples: int = Field(default=20, ge=5)
     # Requests read per span at most; a larger span is evenly thinned to this many.

@@ -7,17 +7,20 @@
 - the workload: prompt length (mean, since prefill work adds up), request rate (Poisson rate
   test) and concurrency at arrival (in flight, counting the request itself);
 and, when given, reads the engine's own figures for the window (KV cache, queue, preemptions).
+The window may carry requests still in flight (`Sample.in_flight`, `live_view`): a waiting
+one's TTFT is censored at its age, a decoding one brings its pace so far.
 
 Rules, most specific cause first (docs/diagnosis.md explains each):
 1. too few timed requests on either side -> insufficient_data
 2. engine KV cache near full and preempting -> kv_pressure
 3. stalls rising and lining up with long prefills -> interference
-4. TTFT rising at equal prompt length and pace (and, if prompts grew, the request rate rose
-   too) and ITL rising -> out_of_capacity; TTFT only -> queueing; ITL only ->
-   decode_saturation (an ITL rise that comes with longer prompts and no more requests is
-   prefill work, not decode batch)
+4. TTFT rising at equal prompt length and pace, or requests in flight waiting past the
+   baseline's TTFT p99 (and, if prompts grew, the request rate rose too) and ITL rising ->
+   out_of_capacity; TTFT only -> queueing; ITL only -> decode_saturation (an ITL rise that
+   comes with longer prompts and no more requests is prefill work, not decode batch). A rise
+   counts only if it matters against the SLO (`Rules.slo_*`): reported otherwise, not counted
 5. prompts longer and TTFT or ITL rising -> prefill_bound
-6. otherwise healthy.
+6. otherwise healthy (at half confidence, and saying so, when the baseline misses the SLO).
 
 Confidence is built from bootstrap support (how often the deciding comparisons come out the
 same way on data like these), adjusted by the engine's corroboration. Pure: no clock, no I/O;
@@ -33,7 +36,8 @@ from typing import Any
 
 from app.core.quantiles import percentile
 from app.diagnosis.compare import Center, Shift, compare, finite
-from app.diagnosis.observations import EngineSignals, Observation, Sample
+from app.diagnosis.live_view import QueueEvidence, live_observations, queue_evidence
+from app.diagnosis.observations import EngineSignals, Observation, Sample, Stage
 from app.diagnosis.prompt_adjust import Adjusted, adjusted_shift, relative_ttft
 from app.diagnosis.stalls import StallRules, Stalls, analyse_stalls
 from app.diagnosis.statistics import Correlation, rate_ratio_greater, spearman
@@ -65,6 +69,14 @@ class Rules:
     min_coverage: float = 0.25  # window share that TTFT-at-equal-prompt must cover
     rounds: int = 500  # bootstrap replicates
     seed: int = 0
+    # The SLO thresholds (PHASEWATCH_SLO_TTFT_S / _ITL_S; None: no SLO). A rise names a verdict
+    # only when it matters: the window's p95 reaches `slo_share` of its threshold, or the rise
+    # (window / baseline) is at least `large_rise`, a doubling, whatever the SLO. A smaller
+    # rise is reported (checks, notes) but decides nothing.
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+    slo_share: float = 0.75
+    large_rise: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +102,13 @@ class Finding:
 
 
 def _timed(sample: Sample) -> list[Observation]:
-    return [o for o in sample.observations if o.ok and o.ttft_s is not None]
+    """The requests with a TTFT: finished ok ones, and those still in flight (live_view)."""
+    finished = [o for o in sample.observations if o.ok and o.ttft_s is not None]
+    return finished + live_observations(sample.in_flight, finished)
+
+
+def _finished(timed: list[Observation]) -> list[Observation]:
+    return [o for o in timed if o.stage is Stage.FINISHED]
 
 
 def _sample_evidence(sample: Sample, timed: int) -> dict[str, Any]:
@@ -99,7 +117,9 @@ def _sample_evidence(sample: Sample, timed: int) -> dict[str, Any]:
     return {
         "requests": sample.requests,
         "read": seen,  # fewer than requests when the shell thinned a large span
-        "timed": timed,
+        "timed": timed,  # finished ok with a first token, and in flight (below)
+        "in_flight": len(sample.in_flight),
+        "in_flight_waiting": sum(1 for r in sample.in_flight if r.waiting),
         "errors": errors,
         "error_share": finite(errors / seen) if seen else None,
         "span_s": finite(sample.span_s),
@@ -153,6 +173,36 @@ def _support(s: Shift | None) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class Levels:
+    """Where TTFT and ITL stand against their SLO thresholds (p95, seconds)."""
+
+    ttft_window: float | None
+    ttft_baseline: float | None
+    itl_window: float | None  # p95 of the requests' median gaps
+    itl_baseline: float | None
+
+    def matters(self, value: float | None, slo: float | None, share: float, rise: float,
+                large: float) -> bool:
+        """Whether a rise counts: always without an SLO; else when its level comes close to
+        the SLO, or the rise (window / baseline) is at least `large`."""
+        return slo is None or (value is not None and value >= share * slo) or rise >= large
+
+
+def _p95(values: list[float]) -> float | None:
+    return percentile(sorted(values), 0.95) if values else None
+
+
+def _levels(w: list[Observation], b: list[Observation], rules: Rules) -> Levels:
+    def gaps(sample: list[Observation]) -> list[float]:
+        return [o.itl_p50_s for o in sample
+                if o.itl_count >= rules.min_itl_gaps and o.itl_p50_s is not None]
+
+    return Levels(_p95([o.ttft_s for o in w if o.ttft_s is not None]),
+                  _p95([o.ttft_s for o in b if o.ttft_s is not None]),
+                  _p95(gaps(w)), _p95(gaps(b)))
+
+
+@dataclass(frozen=True, slots=True)
 class Measures:
     """Every comparison of the window with the baseline (None: not enough to compare)."""
 
@@ -160,6 +210,7 @@ class Measures:
     relative: Adjusted  # TTFT at equal prompt length and pace, per request
     ttft_adj: Shift | None
     itl: Shift | None
+    itl_live: Shift | None  # the pace of the streams decoding now against the baseline's
     prompt: Shift | None
     concurrency: Shift | None
     rate_ratio: float
@@ -169,6 +220,8 @@ class Measures:
     itl_vs_concurrency: Correlation | None
     ttft_vs_concurrency: Correlation | None
     ttft_vs_prompt: Correlation | None
+    queue: QueueEvidence | None  # live requests waiting past the baseline's TTFT p99
+    levels: Levels  # p95s against the SLO
 
 
 def _measure(window: Sample, baseline: Sample, w_timed: list[Observation],
@@ -201,6 +254,9 @@ def _measure(window: Sample, baseline: Sample, w_timed: list[Observation],
     prompt_pairs = [(o.ttft_s, float(o.prompt_tokens)) for o in w_timed
                     if o.ttft_s is not None and o.prompt_tokens is not None]
     return Measures(
+        queue=queue_evidence(w_timed, [o.ttft_s for o in b_timed if o.ttft_s is not None],
+                             rules.alpha),
+        levels=_levels(w_timed, b_timed, rules),
         ttft=cmp([o.ttft_s for o in w_timed if o.ttft_s is not None],
                  [o.ttft_s for o in b_timed if o.ttft_s is not None], rules.ttft_ratio),
         relative=relative,
@@ -210,6 +266,13 @@ def _measure(window: Sample, baseline: Sample, w_timed: list[Observation],
         # Judged on the median only: a decode step is shared by the whole batch, so a bigger
         # batch slows every stream; a few slow streams are stalls, judged as such.
         itl=cmp(itls(w_timed), itls(b_timed), rules.itl_ratio, tail=False),
+        # The streams decoding at the snapshot are the present batch: their pace shows a
+        # bigger batch before the window's finished requests, mostly older, move its median.
+        # Those that have ended since count here too (their pace so far), never twice in one
+        # comparison.
+        itl_live=cmp(itls([o for o in live_observations(window.in_flight, [])
+                           if o.stage is Stage.DECODING]), itls(b_timed),
+                     rules.itl_ratio, tail=False),
         prompt=cmp(prompts(w_timed), prompts(b_timed), rules.prompt_ratio, "mean"),
         concurrency=cmp([o.in_flight + 1.0 for o in w_timed],
                         [o.in_flight + 1.0 for o in b_timed], rules.concurrency_ratio, "mean"),
@@ -217,7 +280,7 @@ def _measure(window: Sample, baseline: Sample, w_timed: list[Observation],
         rate_p=rate_p,
         load_up=rate_ratio >= rules.rate_ratio and rate_p < rules.alpha,
         stalls=analyse_stalls(
-            w_timed, b_timed,
+            _finished(w_timed), b_timed,
             StallRules(rules.min_stall_gaps, rules.min_stall, rules.spike_factor,
                        rules.spike_share, rules.long_prompt_factor, rules.min_overlap_share,
                        rules.alpha),
@@ -248,10 +311,21 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
     # At equal prompt length and pace when the baseline covers the window's prompts; when it
     # does not and prompts did not change, raw TTFT is the same question.
     judged = m.ttft_adj if m.ttft_adj is not None else (None if prompt_up else m.ttft)
+    # Requests still waiting past the baseline's TTFT p99 show a queue before they end.
+    queue_live = m.queue is not None and m.queue.rising
+    ttft_rise = (judged is not None and judged.rising) or queue_live
+    itl_live = m.itl_live is not None and m.itl_live.rising
+    itl_up = (m.itl is not None and m.itl.rising) or itl_live
+    # A rise names a verdict only if it matters against the SLO as well as the baseline.
+    lv = m.levels
+    ttft_matters = lv.matters(lv.ttft_window, rules.slo_ttft_s, rules.slo_share,
+                              0.0 if judged is None else judged.ratio, rules.large_rise)
+    itl_matters = lv.matters(lv.itl_window, rules.slo_itl_s, rules.slo_share,
+                             max(0.0 if s is None else s.ratio for s in (m.itl, m.itl_live)),
+                             rules.large_rise)
     # A rise with longer prompts counts as load only if more requests came too.
-    ttft_load = judged is not None and judged.rising and (not prompt_up or m.load_up)
-    itl_up = m.itl is not None and m.itl.rising
-    decode_load = itl_up and (not prompt_up or m.load_up)
+    ttft_load = ttft_rise and ttft_matters and (not prompt_up or m.load_up)
+    decode_load = itl_up and itl_matters and (not prompt_up or m.load_up)
     kv_full = (engine is not None and engine.kv_usage_max is not None
                and engine.kv_usage_max >= rules.kv_full
                and (engine.preemptions or 0.0) >= 1.0)
@@ -262,7 +336,21 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
                        and m.itl_vs_concurrency.p_value < rules.alpha)
 
     notes: list[str] = []
-    s_ttft, s_itl = _support(judged), _support(m.itl)
+    s_ttft = max(_support(judged),
+                 1 - m.queue.p_value if queue_live and m.queue is not None else 0.0)
+    s_itl = max(_support(m.itl), _support(m.itl_live) if itl_live else 0.0)
+    # A rise that does not matter against the SLO weighs nothing in the confidence either.
+    if not ttft_matters:
+        s_ttft = 0.0
+    if not itl_matters:
+        s_itl = 0.0
+    for name, rising, matters, level, slo in (
+            ("TTFT", ttft_rise, ttft_matters, lv.ttft_window, rules.slo_ttft_s),
+            ("ITL", itl_up, itl_matters, lv.itl_window, rules.slo_itl_s)):
+        if rising and not matters and slo is not None:
+            notes.append(f"{name} rose, but by less than {rules.large_rise:g}x and its p95 "
+                         f"({_ms(level or 0.0)}) stays under "
+                         f"{rules.slo_share:.0%} of its {_ms(slo)} SLO: reported, not counted.")
     s_stall = 0.0 if stalls is None else stalls.support
     if kv_full:
         assert engine is not None
@@ -295,6 +383,15 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
             notes.append("Streams stall mid-output more often, but not during long prefills: "
                          "look at engine preemptions (KV cache) and the network.")
 
+    baseline_clean = _meets(lv.ttft_baseline, lv.itl_baseline, rules)
+    if verdict is Verdict.HEALTHY and baseline_clean is False:
+        # Unchanged from a baseline that itself misses the SLO is not normal: say so.
+        confidence *= 0.5
+        notes.append("No clean baseline: the baseline itself misses the SLO (TTFT p95 "
+                     f"{_ms(lv.ttft_baseline or 0.0)}, ITL p95 {_ms(lv.itl_baseline or 0.0)}); "
+                     "unchanged is not the same as normal. Compare with a known-good run "
+                     "(baseline=run:<id>).")
+
     # The engine's queue corroborates (or contradicts) a queueing verdict.
     if (verdict in (Verdict.QUEUEING, Verdict.OUT_OF_CAPACITY) and engine is not None
             and engine.waiting_max is not None and engine.scrapes >= 2):
@@ -318,8 +415,21 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
         "stalls_rising": stalls is not None and stalls.rising,
         "stalls_with_long_prefills": stalls is not None and stalls.with_long_prefills,
         "kv_pressure": None if engine is None or engine.kv_usage_max is None else kv_full,
+        "ttft_rising_live": queue_live,
+        "itl_rising_live": itl_live,
+        "ttft_rise_matters": ttft_matters,
+        "itl_rise_matters": itl_matters,
+        "baseline_meets_slo": baseline_clean,
+        "window_meets_slo": _meets(lv.ttft_window, lv.itl_window, rules),
     }
     return Decision(verdict, round(min(1.0, max(0.0, confidence)), 4), judged, checks, notes)
+
+
+def _meets(ttft: float | None, itl: float | None, rules: Rules) -> bool | None:
+    """Both p95s within their SLO thresholds (None: no SLO, or nothing to judge)."""
+    verdicts = [value <= slo for value, slo in ((ttft, rules.slo_ttft_s), (itl, rules.slo_itl_s))
+                if value is not None and slo is not None]
+    return None if not verdicts else all(verdicts)
 
 
 def _comparisons(m: Measures, window: Sample, baseline: Sample, w_timed: list[Observation],
@@ -335,6 +445,8 @@ def _comparisons(m: Measures, window: Sample, baseline: Sample, w_timed: list[Ob
             "by_decode_pace": relative.by_pace,
         },
         "itl": None if m.itl is None else m.itl.evidence(),
+        "itl_in_flight": None if m.itl_live is None else m.itl_live.evidence(
+            "median token gap so far of the streams decoding now"),
         "stalls": None if m.stalls is None else m.stalls.evidence(),
         "prompt_tokens": None if m.prompt is None else m.prompt.evidence("tokens"),
         "concurrency": None if m.concurrency is None else m.concurrency.evidence(
@@ -343,6 +455,15 @@ def _comparisons(m: Measures, window: Sample, baseline: Sample, w_timed: list[Ob
             "window_rps": finite(window.rate_rps), "baseline_rps": finite(baseline.rate_rps),
             "ratio": finite(m.rate_ratio), "p_value": round(m.rate_p, 6), "rising": m.load_up,
             "threshold_ratio": rules.rate_ratio,
+        },
+        "live_queue": None if m.queue is None else m.queue.evidence(),
+        "slo": {
+            "ttft_threshold_s": rules.slo_ttft_s, "itl_threshold_s": rules.slo_itl_s,
+            "share_that_matters": rules.slo_share,
+            "ttft_p95_window_s": _f(m.levels.ttft_window),
+            "ttft_p95_baseline_s": _f(m.levels.ttft_baseline),
+            "itl_p95_window_s": _f(m.levels.itl_window),
+            "itl_p95_baseline_s": _f(m.levels.itl_baseline),
         },
         "correlations": {
             "itl_vs_concurrency": _correlation(m.itl_vs_concurrency),
@@ -356,6 +477,10 @@ def _comparisons(m: Measures, window: Sample, baseline: Sample, w_timed: list[Ob
             "reason": "the baseline has too few requests at the window's prompt lengths",
         }
     return out
+
+
+def _f(value: float | None) -> float | None:
+    return None if value is None else finite(value)
 
 
 def _proxy_vs_engine(w_timed: list[Observation],
@@ -441,6 +566,10 @@ def _summary(
         parts.append(_shift_text("prompt tokens", prompt, "count"))
     if concurrency is not None:
         parts.append(f"in flight {concurrency.window - 1:.1f} vs {concurrency.baseline - 1:.1f}")
+    if m.queue is not None and m.queue.past:
+        parts.append(f"{m.queue.past} of {m.queue.waiting} requests waiting now are past the "
+                     f"baseline's TTFT p99 ({_ms(m.queue.threshold_s)}), the oldest for "
+                     f"{_ms(m.queue.oldest_s or 0.0)}")
     if stalls is not None and (stalls.spikes_window or verdict is Verdict.INTERFERENCE):
         parts.append(f"stalls in {stalls.share_window:.0%} of streams vs "
                      f"{stalls.share_baseline:.0%} ({stalls.spikes_overlapped} of "

@@ -14,7 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
+
+from app.core.live import InFlight
+
+
+class Stage(StrEnum):
+    """Where a request was when observed."""
+
+    FINISHED = "finished"
+    WAITING = "waiting"  # in flight, no first token yet
+    DECODING = "decoding"  # in flight, first token received
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +41,9 @@ class Observation:
     itl_max_s: float | None  # this request's longest token gap
     prompt_tokens: int | None  # from the upstream's usage
     in_flight: int  # other requests in flight at the proxy when this one arrived
+    # FINISHED: a stored record. WAITING / DECODING: still in flight in a live snapshot, so
+    # e2e_s is None; while WAITING, ttft_s is its age, a lower bound (censored).
+    stage: Stage = Stage.FINISHED
 
     @property
     def first_token_s(self) -> float | None:
@@ -47,16 +61,32 @@ class Sample:
 
     `requests` counts every request of the span; `observations` may be an even thinning of
     them when the span held more than the shell reads (rates use `requests`, never the
-    thinned count). `span_s` is the span's length, for request rates.
+    thinned count). `span_s` is the span of it that had traffic (`traffic_span_s`), for
+    request rates. `in_flight`: requests still open at the span's end, from live snapshots
+    (the window only; app/diagnosis/live_view.py).
     """
 
     observations: Sequence[Observation]
     span_s: float
     requests: int
+    in_flight: Sequence[InFlight] = ()
 
     @property
     def rate_rps(self) -> float:
         return self.requests / self.span_s if self.span_s > 0 else 0.0
+
+
+def traffic_span_s(nominal_s: float, first_s: float | None, until_s: float,
+                   requests: int) -> float:
+    """The part of a span [until - nominal, until] that had traffic, for its request rate:
+    from the first arrival in it to its end, widened by one mean gap (n arrivals from the first
+    mark n - 1 gaps), never longer than the span. A span reaching back before the proxy (or the
+    traffic) started would otherwise count that time as idle and read a low rate: a steady
+    load then looks like a rise for the whole first baseline after a start."""
+    if first_s is None or requests < 2:
+        return nominal_s
+    covered = max(0.0, until_s - first_s)
+    return min(nominal_s, covered * requests / (requests - 1))
 
 
 class EngineSignals(Protocol):

@@ -2,12 +2,14 @@
 schedule, the history and the gauges. The only module of the package that does I/O.
 
 `DiagnosisService.diagnose` answers one model for one window and baseline (the API calls it,
-in any process); it reads only the database (the requests, and the engine scrapes the leader
-stored), so every worker and replica answers the same question the same. `run` is the
-schedule, run by the leading process only (app/store/leader.py): it evaluates every active
-model every `diagnosis_interval_s` with the default window and baseline, sets
-`phasewatch_diagnosis_verdict` / `_confidence`, and stores each change of a model's verdict
-with its evidence; when it stops (the process no longer leads) it withdraws its gauges. Any
+in any process); it reads only the database (the requests, the engine scrapes the leader
+stored, and every process's fresh live snapshot of its requests in flight), so every worker
+and replica answers the same question the same. `run` is the schedule, run by the leading
+process only (app/store/leader.py): every `diagnosis_interval_s` it judges every active model
+(`_round`: the recent window when it holds enough requests; the frozen healthy reference as
+baseline while an incident is held or pending; hysteresis, app/diagnosis/hold.py), sets
+`phasewatch_diagnosis_verdict` / `_confidence` to the verdict it holds, and stores each change
+of it with its evidence; when it stops (the process no longer leads) it withdraws its gauges. Any
 fault (database, engine, evaluation) is logged and counted and the schedule goes on; nothing
 here touches the relay.
 """
@@ -22,10 +24,12 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from app.core.live import InFlight
 from app.core.settings import Settings
 from app.diagnosis.diagnose import Finding, Rules, diagnose
+from app.diagnosis.hold import BaselineKind, Held, HoldRules, Round, Span, baseline_for, step
 from app.diagnosis.metrics import DiagnosisMetrics
-from app.diagnosis.observations import Observation, Sample
+from app.diagnosis.observations import Observation, Sample, traffic_span_s
 from app.diagnosis.verdicts import Verdict
 from app.engine.codec import snapshot_from_json
 from app.engine.window import EngineWindow, summarize
@@ -38,6 +42,7 @@ from app.store.diagnoses import (
     run_request_count,
 )
 from app.store.engine_scrapes import read_scrapes
+from app.store.live_snapshots import read_fresh
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +85,13 @@ def to_observation(row: tuple[Any, ...]) -> Observation:
     )
 
 
-def _sample(span: RequestSpan, seconds: float) -> Sample:
-    return Sample([to_observation(row) for row in span.rows], seconds, span.total)
+def _sample(span: RequestSpan, seconds: float, until: datetime,
+            in_flight: list[InFlight] | None = None) -> Sample:
+    """A span's requests; its rate over the part of it that had traffic (traffic_span_s)."""
+    first = None if span.first is None else span.first.timestamp()
+    return Sample([to_observation(row) for row in span.rows],
+                  traffic_span_s(seconds, first, until.timestamp(), span.total), span.total,
+                  in_flight or [])
 
 
 def _run_seconds(span: RequestSpan) -> float:
@@ -108,6 +118,13 @@ async def read_engine(
     return summarize(history, since.timestamp(), until.timestamp(), model), span.last_ok
 
 
+def _baseline_label(described: dict[str, Any]) -> str:
+    """How a stored verdict change names its baseline."""
+    if described.get("schedule_kind", "previous") == "previous":
+        return f"previous {described['seconds']:g}s"
+    return f"{described['schedule_kind']} {described['since']}/{described['until']}"
+
+
 class DiagnosisService:
     def __init__(
         self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
@@ -117,9 +134,14 @@ class DiagnosisService:
         self.settings = settings
         self.engine_url = settings.engine_metrics_target  # None: the engine is not scraped
         self.metrics = metrics
-        self.rules = Rules(min_samples=settings.diagnosis_min_samples)
+        self.rules = Rules(min_samples=settings.diagnosis_min_samples,
+                           slo_ttft_s=settings.slo_ttft_s, slo_itl_s=settings.slo_itl_s)
         self._stored: dict[str, str] | None = None  # last stored verdict per model
         self._judged: list[str] = []  # models the schedule has exported
+        self._held: dict[str, Held] = {}  # the schedule's state per model (app/diagnosis/hold)
+        self.hold_rules = HoldRules(settings.diagnosis_hold_rounds,
+                                    settings.diagnosis_switch_confidence,
+                                    settings.diagnosis_baseline_s)
 
     async def models(self, until: datetime, window: timedelta, baseline: Baseline) -> list[str]:
         """Models with requests in the window or a previous-span baseline, busiest first."""
@@ -144,7 +166,7 @@ class DiagnosisService:
                 b_since = since - timedelta(seconds=baseline.seconds)
                 span = await read_observations(session, model=model, since=b_since,
                                                until=since, limit=limit)
-                reference = _sample(span, baseline.seconds)
+                reference = _sample(span, baseline.seconds, since)
                 described: dict[str, Any] = {
                     "kind": "previous", "since": _iso(b_since), "until": _iso(since),
                     "seconds": baseline.seconds}
@@ -152,7 +174,7 @@ class DiagnosisService:
                 span = await read_observations(session, model=model, since=baseline.since,
                                                until=baseline.until, limit=limit)
                 seconds = (baseline.until - baseline.since).total_seconds()
-                reference = _sample(span, seconds)
+                reference = _sample(span, seconds, baseline.until)
                 described = {"kind": "range", "since": _iso(baseline.since),
                              "until": _iso(baseline.until), "seconds": seconds}
             else:
@@ -160,21 +182,29 @@ class DiagnosisService:
                     raise UnknownRun(f"no stored request carries run id {baseline.run_id!r}")
                 span = await read_observations(session, model=model, run_id=baseline.run_id,
                                                limit=limit)
-                reference = _sample(span, _run_seconds(span))
+                reference = Sample([to_observation(row) for row in span.rows],
+                                   _run_seconds(span), span.total)
                 described = {"kind": "run", "run_id": baseline.run_id,
                              "since": _iso(span.first), "until": _iso(span.last),
                              "seconds": reference.span_s}
             engine, engine_up = (None, None) if self.engine_url is None else (
                 await read_engine(session, self.engine_url, since, until, model))
+            fresh = await read_fresh(session, until - timedelta(
+                seconds=self.settings.diagnosis_live_max_age_s), until)
         rules = self.rules if min_samples is None else replace(self.rules,
                                                                 min_samples=min_samples)
+        in_flight = [r for snapshot in fresh for r in snapshot.requests if r.model == model]
         finding: Finding = await asyncio.to_thread(
-            diagnose, _sample(current, window.total_seconds()), reference, engine, rules)
+            diagnose, _sample(current, window.total_seconds(), until, in_flight), reference,
+            engine, rules)
         return {
             "model": model,
             "window": {"since": _iso(since), "until": _iso(until),
                        "seconds": window.total_seconds()},
             "baseline": described,
+            "live": {"snapshots": len(fresh), "requests": len(in_flight),
+                     "max_age_s": self.settings.diagnosis_live_max_age_s,
+                     "oldest_snapshot": _iso(min((f.taken_at for f in fresh), default=None))},
             **finding.as_dict(),
             "engine_metrics": None if self.engine_url is None else {
                 "url": self.engine_url, "up": engine_up, "in_window": engine is not None},
@@ -184,7 +214,7 @@ class DiagnosisService:
         """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled. Each run
         starts afresh (another process may have led, and stored changes, in between) and
         withdraws the gauges when it ends, so only the process that runs it exports them."""
-        self._stored, self._judged = None, []
+        self._stored, self._judged, self._held = None, [], {}
         try:
             while True:
                 try:
@@ -215,8 +245,11 @@ class DiagnosisService:
                 self._stored = await latest_verdicts(session)
         judged: dict[str, str] = {}
         for model in models:
+            if model not in self._held:
+                stored = self._stored.get(model)  # a new leader holds what was stored
+                self._held[model] = Held(None if stored is None else Verdict(stored))
             try:
-                report = await self.diagnose(model, now, window, baseline)
+                report = await self._round(model, now)
             except Exception as exc:
                 log.warning("diagnosis of %r failed (%s: %s)", model, type(exc).__name__,
                             str(exc)[:200])
@@ -234,6 +267,53 @@ class DiagnosisService:
                 await self._store_change(model, now, report)
         return judged
 
+    async def _round(self, model: str, now: datetime) -> dict[str, Any]:
+        """One model's round: the recent window if it holds enough requests, else the whole
+        window; against the span before it, or, while an incident is held or pending, the
+        frozen reference (app/diagnosis/hold.py). Returns the report with the held verdict
+        and the schedule's evidence (`schedule`)."""
+        held = self._held[model]
+        full_s = self.settings.diagnosis_window_s
+        tries: list[tuple[timedelta, Baseline, BaselineKind]] = []
+        for seconds in sorted({min(self.settings.diagnosis_recent_s, full_s), full_s}):
+            window = timedelta(seconds=seconds)
+            previous = Span((now - window).timestamp() - self.settings.diagnosis_baseline_s,
+                            (now - window).timestamp())
+            span, kind = baseline_for(held, previous)
+            if kind is not BaselineKind.PREVIOUS:
+                tries.append((window, TimeRange(datetime.fromtimestamp(span.since_s, UTC),
+                                                datetime.fromtimestamp(span.until_s, UTC)),
+                              kind))
+            # The span before the window: the default, and the fallback of a frozen baseline
+            # that turns out too thin to judge with.
+            tries.append((window, PreviousSpan(self.settings.diagnosis_baseline_s),
+                          BaselineKind.PREVIOUS))
+        report: dict[str, Any] = {}
+        kind = BaselineKind.PREVIOUS
+        for window, baseline, tried in tries:
+            report, kind = await self.diagnose(model, now, window, baseline), tried
+            if report["verdict"] != Verdict.INSUFFICIENT_DATA.value:
+                break
+        report["baseline"]["schedule_kind"] = kind.value
+        report["baseline"]["known_healthy"] = kind is BaselineKind.HEALTHY_REFERENCE
+        w, b = report["window"], report["baseline"]
+        checks = report["evidence"].get("checks", {})
+        new, moved = step(held, Round(
+            Verdict(report["verdict"]), report["confidence"], now.timestamp(),
+            Span(datetime.fromisoformat(w["since"]).timestamp(), now.timestamp()),
+            Span(datetime.fromisoformat(b["since"]).timestamp(),
+                 datetime.fromisoformat(b["until"]).timestamp()),
+            checks.get("window_meets_slo"), kind), self.hold_rules)
+        self._held[model] = new
+        if kind is BaselineKind.FROZEN_AT_ONSET:
+            report["summary"] += (" No known-healthy baseline: compared with the span before "
+                                  "the incident began, which was never judged healthy.")
+        assert new.verdict is not None
+        report["evidence"]["schedule"] = moved
+        report["round_verdict"] = report["verdict"]
+        report["verdict"], report["confidence"] = new.verdict.value, new.confidence
+        return report
+
     async def _store_change(self, model: str, now: datetime, report: dict[str, Any]) -> None:
         assert self._stored is not None
         previous = self._stored.get(model)
@@ -241,7 +321,7 @@ class DiagnosisService:
             async with self.sessionmaker() as session:
                 await add_diagnosis(
                     session, at=now, model=model, window_s=report["window"]["seconds"],
-                    baseline=f"previous {report['baseline']['seconds']:g}s",
+                    baseline=_baseline_label(report["baseline"]),
                     verdict=report["verdict"], confidence=report["confidence"],
                     evidence=report,
                 )

@@ -109,6 +109,21 @@ def two_proportions_greater(k1: int, n1: int, k2: int, n2: int) -> float:
     return normal_sf((k1 / n1 - k2 / n2) / math.sqrt(variance))
 
 
+def binomial_greater(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), exact (summed in log space)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0:
+        return 0.0
+    if p >= 1:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+             + i * log_p + (n - i) * log_q for i in range(k, n + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(t - top) for t in terms))
+
+
 def rate_ratio_greater(n1: int, t1: float, n2: int, t2: float) -> float:
     """One-sided p-value that the Poisson rate n1/t1 exceeds n2/t2: given n1 + n2 events,
     n1 is binomial with p = t1 / (t1 + t2) when the rates are equal."""

@@ -7,6 +7,8 @@ from typing import Any
 
 import orjson
 
+from app.core.admin import ADMIN_TOKEN_HEADER
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -21,10 +23,20 @@ HOP_BY_HOP = frozenset(
 )
 REQUEST_ID = b"x-request-id"
 RUN_ID = b"x-phasewatch-run-id"
+# Request headers for phasewatch alone, never sent upstream.
+NOT_FORWARDED = HOP_BY_HOP | {REQUEST_ID, ADMIN_TOKEN_HEADER}
 
 
 class ClientGone(Exception):
     """The client disconnected before the proxy finished with the request."""
+
+
+class BodyTooLarge(Exception):
+    """The request's body is over the limit (`PHASEWATCH_MAX_BODY_BYTES`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body over {limit} bytes")
+        self.limit = limit
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -38,7 +50,7 @@ def upstream_request_headers(scope: Scope, request_id: str) -> list[tuple[str, s
     headers = [
         (key.decode("latin-1"), value.decode("latin-1"))
         for key, value in scope["headers"]
-        if key not in HOP_BY_HOP and key != REQUEST_ID
+        if key not in NOT_FORWARDED
     ]
     headers.append(("x-request-id", request_id))
     return headers
@@ -57,13 +69,23 @@ def client_response_headers(
     return headers
 
 
-async def read_body(receive: Receive) -> bytes:
+async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
+    """The whole request body; raises BodyTooLarge as soon as it is known to be over `limit`
+    bytes (from its Content-Length, or as it is read: never more than that is held)."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -83,12 +105,23 @@ async def send_full(
 
 
 async def send_error(
-    send: Send, status: int, message: str, error_type: str, request_id: str
+    send: Send, status: int, message: str, error_type: str, request_id: str,
+    close: bool = False,
 ) -> None:
+    """An error answer in the OpenAI format; `close`: end the connection after it (the rest of
+    a refused body is not read)."""
     body = error_body(message, error_type, status)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (REQUEST_ID, request_id.encode("latin-1")),
     ]
+    if close:
+        headers.append((b"connection", b"close"))
     await send_full(send, status, headers, body)
+
+
+async def refuse_body(send: Send, error: BodyTooLarge, request_id: str) -> None:
+    await send_error(send, 413, f"request body is larger than {error.limit} bytes "
+                     "(PHASEWATCH_MAX_BODY_BYTES)", "invalid_request_error", request_id,
+                     close=True)

@@ -1,6 +1,9 @@
 """phasewatch's HTTP server protocol: uvicorn's httptools protocol plus what the relay needs.
 
-Two additions, offered to the app as the ASGI scope extension `phasewatch.client_leg`:
+A connection beyond uvicorn's `limit_concurrency` (which `phasewatch serve` sets from the
+open-file limit) is answered at once with a 503 in the OpenAI error format and closed, so
+descriptors never run out under a flood of streams. And three additions, offered to the app
+as the ASGI scope extension `phasewatch.client_leg`:
 - the request's arrival, read with `perf_counter_ns()` when its first bytes come off the socket
   (before the headers are parsed, the app is called or its task is scheduled), so the time a
   request waits inside the proxy is inside its TTFT and visible in the queueing histogram;
@@ -12,6 +15,10 @@ Two additions, offered to the app as the ASGI scope extension `phasewatch.client
   the client's socket buffer fills and drains, so the relay stops and resumes reading from
   the upstream: back-pressure reaches the engine as it would through a plain TCP proxy.
 
+When uvicorn starts shutting down it calls `shutdown()` on every connection; this protocol
+passes that on to the app (its lifespan state offers a hook), so readiness fails and the grace
+for open streams starts however the signal reached uvicorn (app/proxy/shutdown.py).
+
 Everything else (parsing, keep-alive, pipelining, graceful shutdown, every other route) is
 uvicorn's. Under another ASGI server the extension is absent and the relay falls back to ASGI
 messages, with the same bytes and the same timing definitions (arrival is then when the app
@@ -20,13 +27,21 @@ is called).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 CLIENT_LEG = "phasewatch.client_leg"
+# The lifespan state key under which the app offers its shutdown's `begin` (shutdown.py).
+SHUTDOWN_HOOK = "phasewatch.shutdown"
+
+log = logging.getLogger(__name__)
 
 
 class ClientLeg:
@@ -64,13 +79,49 @@ class ClientLeg:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
+# The answer to a connection over the limit, written as soon as it is accepted.
+_OVER_CAPACITY_BODY = orjson.dumps({"error": {
+    "message": "phasewatch is at its connection capacity (the open-file limit): retry shortly",
+    "type": "service_unavailable", "param": None, "code": 503}})
+OVER_CAPACITY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%b"
+                 % (len(_OVER_CAPACITY_BODY), _OVER_CAPACITY_BODY))
+_REFUSAL_LOG_INTERVAL_S = 10.0
+
+
 class PhasewatchHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, stamping arrivals and offering the direct writer."""
+    """uvicorn's httptools protocol, stamping arrivals and offering the direct writer; past
+    uvicorn's `limit_concurrency` it refuses a new connection at once with a JSON 503 (which
+    uvicorn would answer in plain text, and only after reading a request)."""
 
     _read_ns = 0
     _leg: ClientLeg | None = None
+    _refusing = False  # this connection is over the limit: answered 503, being closed
+    _refused = 0  # (class-wide) connections refused so far
+    _refusals_logged_at = 0.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limit = self.limit_concurrency
+        if limit is not None and len(self.connections) >= limit:
+            # Out of the count at once (not when the close completes), so that uvicorn's own
+            # check never sees the refused and answers an admitted request in plain text.
+            self.connections.discard(self)
+            self._refusing = True
+            transport.write(OVER_CAPACITY)
+            transport.close()
+            cls = PhasewatchHttpProtocol
+            cls._refused += 1
+            now = time.monotonic()
+            if now - cls._refusals_logged_at >= _REFUSAL_LOG_INTERVAL_S:
+                cls._refusals_logged_at = now
+                log.warning("connection limit %d reached: %d connection(s) refused with 503 so "
+                            "far (raise the open-file limit, or add workers/replicas)", limit,
+                            cls._refused)
 
     def data_received(self, data: bytes) -> None:
+        if self._refusing:
+            return  # answered 503 already; its request is not read
         self._read_ns = perf_counter_ns()
         super().data_received(data)
 
@@ -84,6 +135,14 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self._leg is not None:
             self._leg._cycle = self.cycle
+
+    def shutdown(self) -> None:
+        """uvicorn is shutting down (it calls this on every connection): tell the app, so its
+        readiness fails and the grace for open streams starts (app/proxy/shutdown.py)."""
+        begin = self.app_state.get(SHUTDOWN_HOOK)
+        if callable(begin):
+            begin()
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from app.core.admin import AdminAccess
 from app.core.metrics import ProxyMetrics
 from app.core.records import RecordQueue
 from app.core.settings import Settings
 from app.proxy.labels import ModelLabels
+from app.proxy.live import LiveStreams
+from app.proxy.shutdown import Shutdown
 from app.proxy.upstream_pool import UpstreamPool
-from app.proxy.watchdog import IdleWatchdog
 
 
 @dataclass(slots=True)
@@ -23,6 +25,8 @@ class ProxyContext:
     labels: ModelLabels
     records: RecordQueue
     upstream: str  # base URL, no trailing slash
-    watchdog: IdleWatchdog
+    live: LiveStreams  # the open exchanges: idle timeout, live gauges, snapshot
+    admin: AdminAccess  # who may file requests under a run (x-phasewatch-run-id)
+    shutdown: Shutdown  # serving, draining or ending
     passthrough_timeout: aiohttp.ClientTimeout
     in_flight: int = 0

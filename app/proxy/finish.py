@@ -1,4 +1,4 @@
-"""Finishing a request: figures from its timing into metrics and its record onto the queue.
+"""Finishing a request: its end-of-request figures into metrics and its record onto the queue.
 
 Runs in the relay's `finally`, after the last byte went to the client. It must never raise:
 a fault in metrics or records is logged and swallowed, never turned into a client error.
@@ -10,7 +10,7 @@ import logging
 
 from app.core.records import Outcome, RequestRecord
 from app.proxy.context import ProxyContext
-from app.proxy.timing import StreamTiming, figures, summarize
+from app.proxy.timing import StreamTiming, figures
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +23,7 @@ def finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> No
 
 
 def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> None:
+    timing.settle()
     figs = figures(timing)
     status = record.http_status
     served = status is not None and 200 <= status < 300
@@ -31,12 +32,7 @@ def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> N
     bound = metrics.bind(label, record.endpoint)
     outcome = record.outcome.value
 
-    # TTFT and token gaps are what the client lived through, whatever the ending.
-    if figs.ttft_s is not None:
-        bound.ttft.observe(figs.ttft_s)
-    itl_observe = bound.itl.observe
-    for gap in figs.itl_s:
-        itl_observe(gap)
+    # TTFT and token gaps were observed as they happened (timing.py), whatever the ending.
     if record.outcome is Outcome.OK:
         if figs.tpot_s is not None:
             bound.tpot.observe(figs.tpot_s)
@@ -55,5 +51,5 @@ def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> N
     record.output_tokens = figs.output_tokens
     record.tokens_exact = figs.tokens_exact
     (record.itl_count, record.itl_mean_s, record.itl_p50_s, record.itl_p95_s,
-     record.itl_max_s) = summarize(figs.itl_s)
+     record.itl_max_s) = figs.itl
     ctx.records.offer(record)

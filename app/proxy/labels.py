@@ -1,12 +1,29 @@
 """Bounded model labels: a hostile or mistaken model name must not create unbounded series.
 
-A name earns its own label once the upstream has served it successfully, up to a limit;
-everything else (names the upstream rejected, names past the limit) shares `other`.
+`model_name` is the one form of a requested model's name that phasewatch keeps, the same for
+metrics, records and the diagnosis: control characters (NUL included) replaced by U+FFFD and
+at most `MODEL_NAME_MAX` characters (a longer one is cut and ends in `…`). The request itself
+goes upstream unchanged. A name earns its own label once the upstream has served it
+successfully, up to a limit; everything else (names the upstream rejected, names past the
+limit) shares `other`.
 """
 
 from __future__ import annotations
 
+import re
+
 OTHER = "other"
+MODEL_NAME_MAX = 128
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def model_name(value: object) -> str | None:
+    """The name phasewatch keeps for a request's `model` field; None when it is not a string."""
+    if not isinstance(value, str):
+        return None
+    if len(value) > MODEL_NAME_MAX:
+        value = value[: MODEL_NAME_MAX - 1] + "\u2026"
+    return _CONTROL.sub("\ufffd", value)
 
 
 class ModelLabels:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import uuid
 
 import aiohttp
+from yarl import URL
 
 from app.proxy.asgi import (
     REQUEST_ID,
+    BodyTooLarge,
     ClientGone,
     Receive,
     Scope,
@@ -19,7 +21,9 @@ from app.proxy.asgi import (
     client_response_headers,
     header,
     read_body,
+    refuse_body,
     send_error,
+    send_full,
     upstream_request_headers,
 )
 from app.proxy.context import ProxyContext
@@ -29,15 +33,30 @@ async def pass_through(ctx: ProxyContext, scope: Scope, receive: Receive, send: 
     """Relay any request to the same path on the upstream."""
     request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or uuid.uuid4().hex
     try:
-        body = await read_body(receive)
+        body = await read_body(receive, scope, ctx.settings.max_body_bytes)
     except ClientGone:
         return
-    url = ctx.upstream + scope["path"]
+    except BodyTooLarge as exc:
+        await refuse_body(send, exc, request_id)
+        return
+    path: str = scope["path"]
+    if not path.startswith("/"):  # `OPTIONS *` (asterisk form) asks about this server itself
+        if scope["method"] == "OPTIONS" and path == "*":
+            await send_full(send, 204, [(b"allow", b"GET, POST, OPTIONS"),
+                                        (REQUEST_ID, request_id.encode("latin-1"))], b"")
+        else:
+            await send_error(send, 400, "the request target must be a path",
+                             "invalid_request_error", request_id)
+        return
+    # The path as the client wrote it, percent-escapes and all (`/v1%2Fmodels` is not
+    # `/v1/models`), and not quoted again on the way.
+    raw: bytes = scope.get("raw_path") or path.encode()
+    url = ctx.upstream + raw.decode("latin-1")
     if scope.get("query_string"):
         url += "?" + scope["query_string"].decode("latin-1")
     try:
         response = await ctx.session.request(
-            scope["method"], url, data=body or None,
+            scope["method"], URL(url, encoded=True), data=body or None,
             headers=upstream_request_headers(scope, request_id),
             timeout=ctx.passthrough_timeout,  # not a hot path: aiohttp's own idle timer
         )

@@ -9,7 +9,7 @@ relay's coroutine wakes only for the response's head and its end. Under another 
 the same bytes go out as ASGI messages.
 
 How an exchange ends is one value, `Phase`, moved in one place (`_move`): the upstream ended
-its body, the upstream broke off, the client left, or the idle watchdog found it silent. The
+its body, the upstream broke off, the client left, or the idle timeout found it silent. The
 record is finished in `finally` and handed to a bounded queue: the relay never waits for
 storage, and nothing that goes wrong in metrics or records can break a client's stream.
 A client that leaves makes the relay close its upstream connection at once, so the engine
@@ -29,11 +29,13 @@ from typing import Any, TypeVar
 
 import orjson
 
+from app.core.live import InFlight
 from app.core.records import Outcome, RequestRecord
 from app.proxy.asgi import (
-    HOP_BY_HOP,
+    NOT_FORWARDED,
     REQUEST_ID,
     RUN_ID,
+    BodyTooLarge,
     ClientGone,
     Receive,
     Scope,
@@ -42,13 +44,16 @@ from app.proxy.asgi import (
     error_body,
     header,
     read_body,
+    refuse_body,
     send_error,
     send_full,
 )
 from app.proxy.client_leg import ClientLeg, client_leg
 from app.proxy.context import ProxyContext
 from app.proxy.finish import finish
+from app.proxy.live import LiveView
 from app.proxy.request_plan import RequestPlan, plan_request
+from app.proxy.shutdown import Stage
 from app.proxy.stream import StreamFeed
 from app.proxy.timing import NS, StreamTiming
 from app.proxy.upstream_pool import UpstreamConnection
@@ -57,6 +62,9 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 _DONE_EVENT = b"data: [DONE]\n\n"
+# Streams cut before [DONE]: the in-band error's type and code.
+_CUT = {Outcome.TIMEOUT: ("upstream_error", 502), Outcome.STREAM_ERROR: ("upstream_error", 502),
+        Outcome.SHUTDOWN: ("service_unavailable", 503)}
 # Output waiting for a blocked ASGI send (other servers only) past which the upstream is paused.
 _PENDING_LIMIT = 1 << 16
 
@@ -74,9 +82,14 @@ class Phase(Enum):
     BROKEN = "broken"  # the upstream connection closed or broke before the body ended
     CLIENT_GONE = "client_gone"  # the client disconnected before it had its answer
     IDLE_TIMEOUT = "idle_timeout"  # the upstream sent nothing for the idle timeout
+    SHUT_DOWN = "shut_down"  # phasewatch is shutting down and the grace for streams is over
+    CLIENT_STALLED = "client_stalled"  # the client stopped reading for the client stall timeout
 
 
-_ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_TIMEOUT})
+_ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_TIMEOUT,
+                      Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
+# Endings that may find the task blocked in an ASGI send the client does not drain.
+_FORCED = frozenset({Phase.IDLE_TIMEOUT, Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
 
 
 async def relay(
@@ -86,7 +99,8 @@ async def relay(
     arrival_ns = leg.arrival_ns if leg is not None else perf_counter_ns()
     timing = StreamTiming(arrival_ns)
     request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or uuid.uuid4().hex
-    run_id = header(scope, RUN_ID)
+    # Filing a request under a benchmark run changes that run's figures: only an admin may.
+    run_id = header(scope, RUN_ID) if ctx.admin.allows(scope["headers"], bearer=False) else None
     record = RequestRecord(
         request_id=request_id,
         started_at=datetime.now(UTC),
@@ -102,13 +116,23 @@ async def relay(
     ctx.in_flight += 1
     ctx.metrics.in_flight.inc()
     try:
-        body = await read_body(receive)
+        if ctx.shutdown.stage is Stage.ENDING:
+            record.outcome, record.http_status = Outcome.SHUTDOWN, 503
+            record.error = "arrived after phasewatch's shutdown grace"
+            await send_error(send, 503, "phasewatch is shutting down: retry",
+                             "service_unavailable", request_id, close=True)
+            return
+        body = await read_body(receive, scope, ctx.settings.max_body_bytes)
         plan = plan_request(body, ctx.settings.upstream_continuous_usage)
         record.model, record.stream = plan.model, plan.stream
+        timing.single_choice = plan.single_choice
         ctx.metrics.proxy_queue.observe((perf_counter_ns() - arrival_ns) / NS)
         await Exchange(ctx, scope, plan, record, timing, leg).run(receive, send)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
+    except BodyTooLarge as exc:
+        record.outcome, record.http_status, record.error = Outcome.REJECTED, 413, str(exc)
+        await refuse_body(send, exc, request_id)
     finally:
         if timing.end_ns is None:
             timing.end_ns = perf_counter_ns()
@@ -122,8 +146,8 @@ class Exchange:
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
                  "_headers", "_leg", "_lost", "_pending", "_pending_size", "_plan", "_record",
-                 "_responded", "_scope", "_status", "_task", "_timing", "_wake", "last_read_ns",
-                 "phase")
+                 "_responded", "_scope", "_status", "_task", "_timing", "_wake",
+                 "client_blocked_ns", "label", "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
                  record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None) -> None:
@@ -135,6 +159,11 @@ class Exchange:
         self._leg = leg
         self.phase = Phase.CONNECTING
         self.last_read_ns = timing.arrival_ns  # the last time the upstream sent anything
+        # When the client stopped taking what is written to it (0: it takes it): its socket
+        # buffer filled (direct writes), or an ASGI send has been waiting (other servers).
+        self.client_blocked_ns = 0
+        # The model's label: its own once the upstream has served it (labels.py), else `other`.
+        self.label = ctx.labels.label(plan.model, False)
         self._wake: asyncio.Future[None] | None = None
         self._conn: UpstreamConnection | None = None
         self._task: asyncio.Task[Any] | None = None
@@ -171,11 +200,40 @@ class Exchange:
         if self.phase not in _ENDINGS and not (self._feed is not None and self._feed.done):
             self._move(Phase.CLIENT_GONE)
 
+    def live_view(self) -> LiveView | None:
+        """For the live gauges (live.py): a streamed request until it ends."""
+        if not self._plan.stream or self.phase in _ENDINGS:
+            return None
+        return LiveView(self.label, self._timing.arrival_ns, self._timing.first_output_ns)
+
+    def in_flight(self, now_ns: int, wall_now: float) -> InFlight:
+        timing, record = self._timing, self._record
+        ttft = None if timing.first_output_ns is None else (
+            (timing.first_output_ns - timing.arrival_ns) / NS)
+        age = (now_ns - timing.arrival_ns) / NS
+        count, _, p50, _, largest = timing.gaps.summary()
+        return InFlight(
+            model=self.label, started_s=wall_now - age, age_s=age, ttft_s=ttft,
+            silent_s=(now_ns - self.last_read_ns) / NS, itl_count=count, itl_p50_s=p50,
+            itl_max_s=largest, prompt_tokens=timing.prompt_tokens,
+            in_flight=record.in_flight_at_arrival or 0)
+
     def idle_timeout(self) -> None:
-        """Called by the watchdog: nothing came from the upstream for the idle timeout."""
+        """Called by the live registry: nothing came from the upstream for the idle timeout."""
+        self._force(Phase.IDLE_TIMEOUT)
+
+    def client_stalled(self) -> None:
+        """Called by the live registry: the client has not read for the client stall timeout."""
+        self._force(Phase.CLIENT_STALLED)
+
+    def shut_down(self) -> None:
+        """Called at shutdown once the grace is over: end now, telling the client why."""
+        self._force(Phase.SHUT_DOWN)
+
+    def _force(self, ending: Phase) -> None:
         if self.phase in _ENDINGS:
             return
-        self._move(Phase.IDLE_TIMEOUT)
+        self._move(ending)
         if self._blocked_in_send and self._task is not None:
             self._task.cancel()  # (other servers) a send the client will never drain
 
@@ -188,7 +246,12 @@ class Exchange:
         self._responded = True
         self._status, self._headers = status, headers
         if status == 200 and _content_type(headers).startswith(b"text/event-stream"):
-            self._feed = StreamFeed(self._plan, self._record, self._timing)
+            ctx, timing = self._ctx, self._timing
+            # Served: the model earns its label. TTFT and ITL are observed as they arrive.
+            self.label = ctx.labels.label(self._plan.model, True)
+            bound = ctx.metrics.bind(self.label, self._record.endpoint)
+            timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.itl.observe
+            self._feed = StreamFeed(self._plan, self._record, timing)
             self._move(Phase.STREAMING)
         else:
             self._move(Phase.READING)
@@ -245,7 +308,7 @@ class Exchange:
         else:  # other servers: ASGI's receive says when the client leaves
             watcher = asyncio.create_task(self._watch_disconnect(receive))
         ctx = self._ctx
-        ctx.watchdog.watch(self)
+        ctx.live.watch(self)
         try:
             if await self._send_request(send):
                 if self._feed is not None:
@@ -257,7 +320,7 @@ class Exchange:
                 leg.on_disconnect = None
             if watcher is not None:
                 watcher.cancel()
-            ctx.watchdog.forget(self)
+            ctx.live.forget(self)
             conn, self._conn = self._conn, None
             if conn is not None:
                 # Only a connection whose response ended cleanly is reused; closing any other
@@ -276,7 +339,7 @@ class Exchange:
         target: bytes = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != REQUEST_ID]
+        headers = [(k, v) for k, v in scope["headers"] if k not in NOT_FORWARDED]
         headers.append((REQUEST_ID, record.request_id.encode("latin-1")))
         request = ctx.pool.request(b"POST", target, headers, self._plan.body)
         for attempt in range(2):
@@ -330,6 +393,9 @@ class Exchange:
         if self.phase is Phase.IDLE_TIMEOUT:
             return await self._refuse(send, Outcome.TIMEOUT, 504,
                                       "upstream timed out before answering")
+        if self.phase is Phase.SHUT_DOWN:
+            return await self._refuse(send, Outcome.SHUTDOWN, 503,
+                                      "phasewatch shut down before the upstream answered")
         return await self._refuse(send, Outcome.UNREACHABLE, 502,
                                   f"upstream unreachable: {self._lost}")
 
@@ -338,7 +404,9 @@ class Exchange:
         record.outcome = outcome
         record.error = error
         upstream = self._ctx.upstream
-        if status == 504:
+        if status == 503:
+            message, kind = "phasewatch is shutting down: retry", "service_unavailable"
+        elif status == 504:
             message, kind = f"upstream {upstream} timed out", "upstream_timeout"
         else:
             message, kind = f"upstream {upstream} is unreachable: {error}", "upstream_unreachable"
@@ -357,6 +425,10 @@ class Exchange:
         if self.phase is Phase.IDLE_TIMEOUT:
             await self._refuse(send, Outcome.TIMEOUT, 504, "upstream went silent past the idle "
                                "timeout")
+            return
+        if self.phase is Phase.SHUT_DOWN:
+            await self._refuse(send, Outcome.SHUTDOWN, 503,
+                               "phasewatch shut down before the answer was read")
             return
         if self.phase is Phase.BROKEN:
             record.outcome = Outcome.STREAM_ERROR
@@ -387,30 +459,38 @@ class Exchange:
                 if self._pending:
                     leg.write_chunk(b"".join(self._pending))
                     self._pending, self._pending_size = [], 0
-                conn = self._conn
-                if conn is not None:
-                    leg.on_pause, leg.on_resume = conn.pause_reading, conn.resume_reading
-                    if paused and not leg.paused:
-                        conn.resume_reading()
+                if self._conn is not None:
+                    leg.on_pause, leg.on_resume = self._client_blocked, self._client_reading
+                    if leg.paused:
+                        self.client_blocked_ns = perf_counter_ns()
+                    elif paused:
+                        self._conn.resume_reading()
                 self._direct = True
                 while self.phase is Phase.STREAMING:
                     await self._next()
             else:
                 await self._stream_over_asgi(send)
         except asyncio.CancelledError:
-            if self.phase is not Phase.IDLE_TIMEOUT or self._task is None:
+            if self.phase not in _FORCED or self._task is None:
                 raise
-            self._task.uncancel()  # the watchdog ended a send the client would never drain
+            self._task.uncancel()  # a forced ending cut a send the client would never drain
         finally:
             if leg is not None:
                 leg.on_pause = leg.on_resume = None
         client_stalled = self._blocked_in_send or (leg is not None and leg.paused)
-        if self.phase is Phase.IDLE_TIMEOUT and client_stalled:
-            # The silence was back-pressure from a client that stopped reading. Another send
-            # would block the same way: end without one (the server closes the connection of a
-            # response left incomplete).
-            record.outcome = Outcome.CANCELLED
-            record.error = "client stopped reading past the idle timeout"
+        if self.phase in _FORCED and client_stalled:
+            # The client is not reading (at an idle timeout, that was the silence: back-pressure
+            # from it). Another send would block the same way: end without one (the server
+            # closes the connection of a response left incomplete).
+            if self.phase is Phase.SHUT_DOWN:
+                record.outcome = Outcome.SHUTDOWN
+                record.error = "phasewatch shut down while the client was not reading"
+            elif self.phase is Phase.CLIENT_STALLED:
+                record.outcome = Outcome.CANCELLED
+                record.error = "client stopped reading past the client stall timeout"
+            else:
+                record.outcome = Outcome.CANCELLED
+                record.error = "client stopped reading past the idle timeout"
             timing.end_ns = perf_counter_ns()
             return
         if self.phase is Phase.CLIENT_GONE:
@@ -423,6 +503,9 @@ class Exchange:
             elif self.phase is Phase.BROKEN:
                 record.outcome = Outcome.STREAM_ERROR
                 record.error = f"upstream stream broke: {self._lost}"
+            elif self.phase is Phase.SHUT_DOWN:
+                record.outcome = Outcome.SHUTDOWN
+                record.error = "phasewatch shut down before the stream ended"
         end_ns = timing.end_ns or (self._end_ns if self.phase is Phase.ENDED
                                    else perf_counter_ns())
         timing.end_ns = end_ns
@@ -431,13 +514,26 @@ class Exchange:
         if not feed.done and record.outcome is Outcome.OK:
             record.outcome = Outcome.STREAM_ERROR
             record.error = "upstream closed the stream before [DONE]"
-        if record.outcome in (Outcome.TIMEOUT, Outcome.STREAM_ERROR) and not feed.done:
+        if record.outcome in _CUT and not feed.done:
             # Never leave the client hanging on a broken stream: say why, in-band, as vLLM does.
-            error = error_body(f"phasewatch: {record.error}", "upstream_error", 502)
+            kind, code = _CUT[record.outcome]
+            error = error_body(f"phasewatch: {record.error}", kind, code)
             # End a half-sent event first, so the error is an event of its own.
             tail = ((b"\n\n" if feed.unterminated else b"")
                     + b"data: " + error + b"\n\n" + _DONE_EVENT)
         await send({"type": "http.response.body", "body": rest + tail, "more_body": False})
+
+    def _client_blocked(self) -> None:
+        """The client's socket buffer is full: stop reading from the upstream (back-pressure
+        reaches the engine) and note since when, for the client stall timeout."""
+        self.client_blocked_ns = perf_counter_ns()
+        if self._conn is not None:
+            self._conn.pause_reading()
+
+    def _client_reading(self) -> None:
+        self.client_blocked_ns = 0
+        if self._conn is not None:
+            self._conn.resume_reading()
 
     async def _stream_over_asgi(self, send: Send) -> None:
         """Under a server without the client leg: forward pending output as ASGI messages."""
@@ -449,8 +545,10 @@ class Exchange:
                 if self._conn is not None:
                     self._conn.resume_reading()
                 self._blocked_in_send = True
+                self.client_blocked_ns = perf_counter_ns()
                 await send({"type": "http.response.body", "body": data, "more_body": True})
                 self._blocked_in_send = False
+                self.client_blocked_ns = 0
                 continue
             if self.phase is not Phase.STREAMING:
                 return

@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from app.proxy.labels import model_name
+
 
 @dataclass(slots=True, frozen=True)
 class RequestPlan:
@@ -22,6 +24,9 @@ class RequestPlan:
     stream: bool
     strip_final_usage: bool  # drop the closing `choices: []` usage chunk
     strip_chunk_usage: bool  # remove the running usage from every other chunk
+    # One choice (`n` absent or 1): the upstream's running usage then counts this stream's
+    # tokens (with n > 1 vLLM counts each choice apart, which says nothing per chunk).
+    single_choice: bool = True
 
 
 def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
@@ -31,20 +36,20 @@ def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
         return RequestPlan(body, None, False, False, False)
     if not isinstance(obj, dict):
         return RequestPlan(body, None, False, False, False)
-    model = obj.get("model")
-    model = model if isinstance(model, str) else None
+    model = model_name(obj.get("model"))  # as kept for labels and records, not as sent
     stream = obj.get("stream") is True
+    single = obj.get("n") in (None, 1)
     options = obj.get("stream_options")
     if not stream or not (options is None or isinstance(options, dict)):
-        return RequestPlan(body, model, stream, False, False)
+        return RequestPlan(body, model, stream, False, False, single)
     options = options or {}
     wants_usage = options.get("include_usage") is True
     wants_continuous = wants_usage and options.get("continuous_usage_stats") is True
     add_continuous = continuous_usage and not wants_continuous
     if wants_usage and not add_continuous:
-        return RequestPlan(body, model, stream, False, False)
+        return RequestPlan(body, model, stream, False, False, single)
     new_options = {**options, "include_usage": True}
     if add_continuous:
         new_options["continuous_usage_stats"] = True
     obj["stream_options"] = new_options
-    return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous)
+    return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous, single)

@@ -131,9 +131,12 @@ class StreamFeed:
         if info.has_usage:
             timing.completion_tokens = info.completion_tokens
             timing.prompt_tokens = info.prompt_tokens
-        if info.kind is Kind.OUTPUT:
-            timing.output(now, info.completion_tokens, info.chars)
-        elif info.kind is Kind.ERROR and self._record.outcome is Outcome.OK:
+        kind = info.kind
+        if kind is Kind.OUTPUT or (kind is Kind.EMPTY and info.completion_tokens):
+            # Output, or an event without text whose running count says a token came (a
+            # partial UTF-8 character): the timing decides which carries tokens.
+            timing.event(now, info.completion_tokens, info.chars)
+        elif kind is Kind.ERROR and self._record.outcome is Outcome.OK:
             self._record.outcome = Outcome.STREAM_ERROR
             self._record.error = "in-band error from upstream"
         return info

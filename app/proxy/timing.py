@@ -1,59 +1,179 @@
-"""Timing state of one streamed response, and the figures derived from it.
+"""Timing state of one streamed response, observed as it happens, and the figures derived.
 
 Clock: every timestamp is `time.perf_counter_ns()` read by the proxy at the moment a read from
 the upstream returned, just before those bytes are forwarded to the client. Intervals:
 
-- arrival:  the proxy has the request (its headers parsed), before the body is read.
-- TTFT:     arrival -> the read that completed the first event carrying output (text, content,
-            reasoning or a tool-call delta). A role-only chunk is not output.
-- ITL:      the gap between two consecutive output-carrying events, divided evenly over the
+- arrival:  the proxy has the request: its first bytes were read from the client's socket
+            (under another ASGI server: the app was called).
+- TTFT:     arrival -> the read that completed the first event carrying a token. With exact
+            token counts (below) that is the first event whose running completion-token count
+            is above zero, even if its text is empty (a partial UTF-8 character); otherwise the
+            first event carrying output (text, content, reasoning or a tool-call delta). A
+            role-only chunk is neither. Observed into the TTFT histogram at that moment.
+- ITL:      the gap between two consecutive token-carrying events, divided evenly over the
             tokens the later event carries; so a gap before a k-token event yields k samples
-            of gap/k. Tokens per event come from the upstream's running `usage`
-            (`continuous_usage_stats`); without it they are estimated from the final usage
-            count spread over events in proportion to their characters.
+            of gap/k.
+            Exact counts: the request asks one choice and the upstream sends running usage on
+            its events (`continuous_usage_stats`, which phasewatch asks vLLM for). Each
+            event's tokens are the rise of that count, and its samples are observed into the
+            ITL histogram when it arrives. An event that does not raise the count carries no
+            token; its gap folds into the next token's. A stream of n tokens whose first event
+            carries one has exactly n - 1 samples.
+            Otherwise (no running usage, or n > 1, where vLLM counts each choice apart) the
+            tokens per event are only known from the final usage: when the stream ends, that
+            count is spread over the events in proportion to their characters (at least one
+            each; one each when there is no final count) and the samples are observed then.
+            At most `PENDING_LIMIT` events wait for that; a longer stream's later events
+            count one token each, observed as they arrive.
 - E2E:      arrival -> the last read of the response (for a stream, the one with `[DONE]`).
 - TPOT:     (E2E - TTFT) / (output_tokens - 1), the definition vLLM and vllm bench use.
+E2E, TPOT and token counts are observed when the request ends.
 
-`StreamTiming` is a plain record filled on the hot path; `figures()` is the pure arithmetic.
+A stream's own ITL figures for its record (count, mean, p50, p95, max) are kept in bounded
+memory (`gap_summary.py`, exact up to 2,048 gaps). `StreamTiming` is filled on the hot path;
+`settle()` apportions what waited for the final usage; `figures()` is the pure arithmetic.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
-from app.core.quantiles import percentile
+from app.proxy.gap_summary import GapSummary, Summary
+
+log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
+PENDING_LIMIT = 8192  # events that may wait for the final usage (16 bytes each)
+
+Observe = Callable[[float], None]
+
+
+def _nowhere(_: float) -> None:
+    pass
+
+
+class Counting(Enum):
+    """How the tokens of a stream's events are counted; decided at its first token."""
+
+    PENDING = "pending"  # no token yet
+    EXACT = "exact"  # from the upstream's running usage, event by event
+    ESTIMATED = "estimated"  # apportioned from the final usage when the stream ends
 
 
 @dataclass(slots=True)
 class StreamTiming:
     arrival_ns: int
+    single_choice: bool = True  # the request asked one choice (n absent or 1)
+    # Where TTFT and ITL samples go as they are measured (the relay binds the histograms).
+    observe_ttft: Observe = _nowhere
+    observe_itl: Observe = _nowhere
+    counting: Counting = Counting.PENDING
     first_output_ns: int | None = None
-    last_output_ns: int | None = None
+    last_output_ns: int | None = None  # the last event that carried tokens
     end_ns: int | None = None
-    # Per output-carrying event after the first: the gap before it, its cumulative completion
-    # token count when the upstream sent one, and its characters of output.
-    gaps_ns: list[int] = field(default_factory=list)
-    cumulative: list[int | None] = field(default_factory=list)
-    chars: list[int] = field(default_factory=list)
-    first_cumulative: int | None = None
+    tokens_seen: int = 0  # exact: the running completion-token count at the last token event
+    gaps: GapSummary = field(default_factory=GapSummary)
+    # Estimated: the first event's characters, then per later event the gap before it and its
+    # characters, until the final usage says how many tokens they carried.
     first_chars: int = 0
+    pending_gaps: array[int] = field(default_factory=lambda: array("q"))
+    pending_chars: array[int] = field(default_factory=lambda: array("q"))
+    overflow: int = 0  # events past PENDING_LIMIT, counted one token each
+    events: int = 0  # estimated: the events that carried output
     # Totals from the last usage the upstream sent.
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
-    def output(self, now_ns: int, cumulative: int | None, chars: int) -> None:
-        if self.last_output_ns is None:
-            self.first_output_ns = now_ns
-            self.first_cumulative = cumulative
-            self.first_chars = chars
+    def event(self, now_ns: int, cumulative: int | None, chars: int) -> None:
+        """An event that may carry tokens: its running completion count (None: it had no
+        usage) and its characters of output."""
+        if self.counting is Counting.EXACT:
+            if cumulative is None:
+                return  # its tokens are counted at the next event with usage
+            tokens = cumulative - self.tokens_seen
+            if tokens <= 0:
+                return
+            last, self.last_output_ns, self.tokens_seen = self.last_output_ns, now_ns, cumulative
+            assert last is not None
+            self._itl((now_ns - last) / NS / tokens, tokens)
+        elif self.counting is Counting.PENDING:
+            self._first(now_ns, cumulative, chars)
         else:
-            self.gaps_ns.append(now_ns - self.last_output_ns)
-            self.cumulative.append(cumulative)
-            self.chars.append(chars)
-        self.last_output_ns = now_ns
+            last, self.last_output_ns = self.last_output_ns, now_ns
+            assert last is not None
+            self.events += 1
+            if len(self.pending_gaps) < PENDING_LIMIT:
+                self.pending_gaps.append(now_ns - last)
+                self.pending_chars.append(chars)
+            else:
+                self.overflow += 1
+                self._itl((now_ns - last) / NS, 1)
+
+    def _first(self, now_ns: int, cumulative: int | None, chars: int) -> None:
+        if cumulative is not None and self.single_choice:
+            if cumulative <= 0 and not chars:
+                return  # no token yet (an empty chunk whose count has not moved)
+            self.counting = Counting.EXACT
+            self.tokens_seen = cumulative
+        else:
+            self.counting = Counting.ESTIMATED
+            self.first_chars = chars
+            self.events = 1
+        self.first_output_ns = self.last_output_ns = now_ns
+        try:
+            self.observe_ttft((now_ns - self.arrival_ns) / NS)
+        except Exception:  # metrics must never break a stream
+            log.exception("could not observe a TTFT")
+
+    def _itl(self, gap_s: float, tokens: int) -> None:
+        self.gaps.add(gap_s, tokens)
+        try:
+            observe = self.observe_itl
+            for _ in range(tokens):
+                observe(gap_s)
+        except Exception:  # metrics must never break a stream
+            log.exception("could not observe an ITL")
+
+    def settle(self) -> None:
+        """The stream has ended: apportion what waited for the final usage (estimated only)."""
+        if self.counting is not Counting.ESTIMATED or not (self.pending_gaps or self.overflow):
+            self.pending_gaps, self.pending_chars = array("q"), array("q")
+            return
+        events = 1 + len(self.pending_gaps)
+        total = self.completion_tokens
+        share = None if total is None else total - self.overflow
+        if share is None or share <= events:
+            tokens = [1] * events
+        else:
+            tokens = _spread(share, [self.first_chars, *self.pending_chars])
+        for gap_ns, k in zip(self.pending_gaps, tokens[1:], strict=True):
+            self._itl(gap_ns / NS / k, k)
+        self.pending_gaps, self.pending_chars = array("q"), array("q")
+
+    @property
+    def tokens_exact(self) -> bool:
+        """The output token count and the tokens behind each ITL sample are known, not
+        estimated."""
+        if self.counting is Counting.EXACT:
+            return self.completion_tokens is None or self.completion_tokens == self.tokens_seen
+        if self.counting is Counting.PENDING:
+            return True
+        # One token per event, confirmed by the final count.
+        return self.completion_tokens == self.events
+
+    @property
+    def output_tokens(self) -> int | None:
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        if self.counting is Counting.EXACT:
+            return self.tokens_seen
+        if self.counting is Counting.ESTIMATED:
+            return self.events
+        return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,50 +181,24 @@ class Figures:
     ttft_s: float | None
     e2e_s: float | None
     tpot_s: float | None
-    itl_s: list[float]  # one sample per token gap, in arrival order
+    itl: Summary  # count, mean, p50, p95, max of the token gaps
     output_tokens: int | None
     prompt_tokens: int | None
-    tokens_exact: bool  # per-event token counts came from the upstream, not an estimate
+    tokens_exact: bool
 
 
 def figures(t: StreamTiming) -> Figures:
+    """The request's figures; after `settle()`."""
     e2e = (t.end_ns - t.arrival_ns) / NS if t.end_ns is not None else None
+    output_tokens = t.output_tokens
     if t.first_output_ns is None:
-        return Figures(None, e2e, None, [], t.completion_tokens, t.prompt_tokens, True)
+        return Figures(None, e2e, None, t.gaps.summary(), output_tokens, t.prompt_tokens, True)
     ttft = (t.first_output_ns - t.arrival_ns) / NS
-    tokens, exact = _tokens_per_event(t)
-    itl: list[float] = []
-    carried = 0
-    for gap, k in zip(t.gaps_ns, tokens[1:], strict=True):
-        carried += gap
-        if k <= 0:
-            continue  # usage did not move: fold this gap into the next token's
-        itl.extend([carried / k / NS] * k)
-        carried = 0
-    output_tokens = t.completion_tokens if t.completion_tokens is not None else sum(tokens)
     tpot = None
-    if e2e is not None and output_tokens > 1:
+    if e2e is not None and output_tokens is not None and output_tokens > 1:
         tpot = (e2e - ttft) / (output_tokens - 1)
-    return Figures(ttft, e2e, tpot, itl, output_tokens, t.prompt_tokens, exact)
-
-
-def _tokens_per_event(t: StreamTiming) -> tuple[list[int], bool]:
-    """Tokens carried by each output event, exact from running usage or else estimated."""
-    cumulative = [t.first_cumulative, *t.cumulative]
-    if all(c is not None for c in cumulative):
-        known = [c or 0 for c in cumulative]
-        steps = [b - a for a, b in itertools.pairwise(known)]
-        # With n > 1, vLLM's running usage counts each choice apart: it can go down between
-        # chunks, and it ends below the final usage (all choices). Then it does not say what
-        # each event carried, and the estimate below is used.
-        agrees = t.completion_tokens is None or known[-1] == t.completion_tokens
-        if agrees and all(step >= 0 for step in steps):
-            return [known[0], *steps], True
-    events = len(cumulative)
-    total = t.completion_tokens
-    if total is None or total <= events:
-        return [1] * events, total == events
-    return _spread(total, [t.first_chars, *t.chars]), False
+    return Figures(ttft, e2e, tpot, t.gaps.summary(), output_tokens, t.prompt_tokens,
+                   t.tokens_exact)
 
 
 def _spread(total: int, weights: list[int]) -> list[int]:
@@ -126,15 +220,3 @@ def _spread(total: int, weights: list[int]) -> list[int]:
             counts[i] -= 1
             diff += 1
     return counts
-
-
-Summary = tuple[int, float | None, float | None, float | None, float | None]
-
-
-def summarize(samples: list[float]) -> Summary:
-    """count, mean, p50, p95, max of ITL samples (nearest-rank percentiles)."""
-    if not samples:
-        return 0, None, None, None, None
-    ordered = sorted(samples)
-    n = len(ordered)
-    return n, sum(ordered) / n, percentile(ordered, 0.50), percentile(ordered, 0.95), ordered[-1]

@@ -208,3 +208,18 @@ class EngineScrape(Base):
     snapshot: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (Index("ix_engine_scrapes_url_at", "url", "at"),)
+
+
+class LiveSnapshot(Base):
+    """One process's latest view of its requests still in flight (app/core/live.py), so every
+    worker and replica diagnoses from the same live state. One row per process, replaced at
+    each publication; rows of processes that stopped publishing are deleted once stale."""
+
+    __tablename__ = "live_snapshots"
+
+    process: Mapped[str] = mapped_column(String(100), primary_key=True)  # host:pid:start
+    taken_at: Mapped[datetime]  # wall clock when the snapshot was taken, as requests' started_at
+    # `InFlight.as_dict()` of each request, at most `live_snapshot_max_requests` of them.
+    items: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_live_snapshots_taken_at", "taken_at"),)

@@ -99,6 +99,11 @@ class RecordWriter:
         self._batch: list[RequestRecord] = []  # taken off the queue, not yet stored
         self._failing_since: float | None = None
 
+    def failing_for_s(self) -> float:
+        """How long storing has been failing (0 while it works)."""
+        since = self._failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
     async def run(self) -> None:
         """Store records until cancelled. Never raises for a database fault."""
         backoff = 0.1
@@ -128,7 +133,6 @@ class RecordWriter:
                 self._batch.append(await asyncio.wait_for(self._queue.get(), remaining))
             except TimeoutError:
                 break
-        self._metrics.record_queue_depth.set(self._queue.qsize())
 
     async def _write(self) -> bool:
         rows = [record_row(record) for record in self._batch]
@@ -151,6 +155,7 @@ class RecordWriter:
             self._failing_since = None
         self._metrics.records_written.inc(len(rows))
         self._batch = []
+        self._queue.release(len(rows))
         return True
 
     async def _write_one_by_one(self, rows: list[list[Any]]) -> None:
@@ -169,6 +174,7 @@ class RecordWriter:
                             str(exc)[:200])
         self._metrics.records_written.inc(written)
         self._batch = []
+        self._queue.release(len(rows))
 
     async def flush(self, timeout_s: float) -> int:
         """Store everything queued, giving up after `timeout_s`. Returns records left unstored."""

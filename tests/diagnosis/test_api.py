@@ -294,7 +294,8 @@ def test_a_database_outage_fails_rounds_not_streams(
     now = datetime.now(UTC)
     insert(private_postgres.url, rows("m", now - timedelta(seconds=30), 25, 40, seed=7))
     settings = load_settings(upstream_url=scripted_url, database_url=private_postgres.url,
-                             diagnosis_interval_s=0.1, diagnosis_window_s=60,
+                             admin_open=True, metrics_cache_s=0, diagnosis_interval_s=0.1,
+                             diagnosis_window_s=60,
                              engine_metrics_enabled=False)
     registry = CollectorRegistry()
     server = ThreadServer(create_app(settings, registry=registry)).start()

@@ -118,7 +118,7 @@ def stack(prometheus_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     sim_args = ["-m", "app.sim", "--port", str(sim_port), "--log-level", "warning"]
     proxy_args = ["-m", "app.cli", "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
                   "--port", str(proxy_port)]
-    proxy_env = {"PHASEWATCH_LOG_LEVEL": "warning",
+    proxy_env = {"PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
                  "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / 'pw.db'}",
                  # Judge every second, so the verdict is exported within the test's traffic.
                  "PHASEWATCH_DIAGNOSIS_INTERVAL_S": "1"}

@@ -169,6 +169,31 @@ def test_client_that_stops_reading_is_not_blamed_on_the_upstream(make_proxy: Any
     assert record.ttft_s is not None
 
 
+def test_a_client_that_stops_reading_is_cut_off_at_the_client_stall_timeout(
+    make_proxy: Any, scripted_url: str
+) -> None:
+    """The upstream idle timeout is long (600 s by default) and back-pressure keeps the
+    upstream quiet: the client's own stall timeout ends the exchange and closes the upstream
+    request, so the engine slot is freed."""
+    proxy = make_proxy(scripted_url, client_stall_timeout_s=0.5)  # idle timeout: 600 s
+    script = {"tokens": [[0.01, "x", 1]] * 400, "pad": 65536}  # 26 MB: more than any buffer
+    body = orjson.dumps({"model": "scripted", "prompt": "x", "stream": True})
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + b"x-request-id: stalled\r\nx-script: " + orjson.dumps(script)
+        + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    port = int(proxy.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(request)
+        sock.recv(1024)  # the response has started; now read nothing more
+        record = proxy.next_record(timeout=10)
+    assert record.outcome == "cancelled"
+    assert record.error == "client stopped reading past the client stall timeout"
+    assert upstream_log(scripted_url, "stalled")["disconnected"]  # the engine was told
+
+
 async def test_a_client_closing_right_after_done_leaves_an_ok_record(proxy: Proxy) -> None:
     """Clients (the openai SDK among them) close at [DONE], which can reach the proxy before the
     upstream ends its body: the exchange was complete, so it is `ok`, not `cancelled`."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from datetime import UTC, datetime
+
 import orjson
 import pytest
 
@@ -12,8 +15,12 @@ from app.core.events import (
     strip_usage,
     system_fingerprint,
 )
+from app.core.quantiles import percentile
+from app.core.records import Outcome, RequestRecord
+from app.proxy.gap_summary import GapSummary
 from app.proxy.request_plan import plan_request
-from app.proxy.timing import NS, StreamTiming, figures, summarize
+from app.proxy.stream import StreamFeed
+from app.proxy.timing import NS, PENDING_LIMIT, StreamTiming, figures
 
 MS = 1_000_000
 
@@ -114,65 +121,168 @@ def test_add_fingerprint_writes_the_chunk_vllm_would_have_sent() -> None:
     assert add_fingerprint(WITHOUT_USAGE, b'"other"') is WITHOUT_USAGE  # already stamped
 
 
-def test_timing_with_exact_running_usage() -> None:
-    t = StreamTiming(arrival_ns=0)
-    t.output(100 * MS, cumulative=1, chars=3)  # first token at 100 ms
-    t.output(120 * MS, cumulative=2, chars=3)  # one token after 20 ms
-    t.output(180 * MS, cumulative=5, chars=9)  # three tokens in one chunk after 60 ms
+def test_timing_with_exact_running_usage_observes_as_tokens_arrive() -> None:
+    ttfts: list[float] = []
+    itl: list[float] = []
+    t = StreamTiming(arrival_ns=0, observe_ttft=ttfts.append, observe_itl=itl.append)
+    t.event(100 * MS, cumulative=1, chars=3)  # first token at 100 ms
+    assert ttfts == [pytest.approx(0.1)] and itl == []  # TTFT observed when it happens
+    t.event(120 * MS, cumulative=2, chars=3)  # one token after 20 ms
+    assert itl == [pytest.approx(0.02)]
+    t.event(180 * MS, cumulative=5, chars=9)  # three tokens in one chunk after 60 ms
+    assert itl == pytest.approx([0.02, 0.02, 0.02, 0.02])
     t.completion_tokens, t.prompt_tokens, t.end_ns = 5, 11, 190 * MS
+    t.settle()
+    assert len(itl) == 4  # nothing more at the end
     f = figures(t)
     assert f.ttft_s == pytest.approx(0.1)
-    assert f.itl_s == pytest.approx([0.02, 0.02, 0.02, 0.02])
+    assert f.itl == pytest.approx((4, 0.02, 0.02, 0.02, 0.02))
     assert f.tpot_s == pytest.approx((0.19 - 0.1) / 4)
     assert (f.output_tokens, f.prompt_tokens, f.tokens_exact) == (5, 11, True)
-    assert sum(f.itl_s) == pytest.approx(0.08)  # the gaps add up to first -> last output
+    assert sum(itl) == pytest.approx(0.08)  # the gaps add up to first -> last token
+
+
+def test_first_token_is_the_first_count_above_zero_even_without_text() -> None:
+    """vLLM can send a first chunk with empty text (a partial UTF-8 character) whose running
+    usage already counts one token: that chunk is the first token, and a stream of n tokens
+    has n - 1 gaps."""
+    itl: list[float] = []
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    t.event(10 * MS, cumulative=0, chars=0)  # nothing yet (not sent by the feed, but harmless)
+    assert t.first_output_ns is None
+    t.event(50 * MS, cumulative=1, chars=0)  # the partial character: token 1
+    t.event(60 * MS, cumulative=2, chars=2)
+    t.event(70 * MS, cumulative=3, chars=1)
+    t.completion_tokens, t.end_ns = 3, 70 * MS
+    t.settle()
+    f = figures(t)
+    assert f.ttft_s == pytest.approx(0.05)
+    assert f.itl[0] == 2 == f.output_tokens - 1 and itl == pytest.approx([0.01, 0.01])
+
+
+def test_feed_takes_an_empty_chunk_whose_count_rose_as_the_first_token() -> None:
+    body = orjson.dumps({"model": "m", "stream": True})
+    plan = plan_request(body, continuous_usage=True)
+    record = RequestRecord(request_id="r", started_at=datetime.now(UTC), endpoint="completions",
+                           model="m", upstream="u", stream=True, outcome=Outcome.OK,
+                           http_status=200, in_flight_at_arrival=0, run_id=None)
+    t = StreamTiming(arrival_ns=0)
+    feed = StreamFeed(plan, record, t)
+
+    def chunk(text: str, tokens: int) -> bytes:
+        return b"data: " + orjson.dumps({
+            "id": "c", "choices": [{"index": 0, "text": text, "finish_reason": None}],
+            "usage": {"prompt_tokens": 4, "total_tokens": 4 + tokens,
+                      "completion_tokens": tokens}}) + b"\n\n"
+
+    out = feed.feed(chunk("", 1), 40 * MS)
+    assert b"usage" not in out  # what the client did not ask for is still cut
+    assert t.first_output_ns == 40 * MS
+    feed.feed(chunk("\u00e9", 2), 55 * MS)
+    assert t.gaps.count == 1 and t.tokens_seen == 2
 
 
 def test_timing_estimates_tokens_from_characters_without_running_usage() -> None:
-    t = StreamTiming(arrival_ns=0)
-    t.output(10 * MS, None, chars=4)
-    t.output(40 * MS, None, chars=12)  # three times the text of its neighbours
-    t.output(50 * MS, None, chars=4)
+    itl: list[float] = []
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    t.event(10 * MS, None, chars=4)
+    t.event(40 * MS, None, chars=12)  # three times the text of its neighbours
+    t.event(50 * MS, None, chars=4)
+    assert itl == []  # the tokens behind each gap are known only from the final usage
     t.completion_tokens, t.end_ns = 5, 50 * MS
+    t.settle()
     f = figures(t)
     assert not f.tokens_exact
-    assert len(f.itl_s) == 4  # 5 tokens: 1 + 3 + 1, first one has no gap
-    assert f.itl_s == pytest.approx([0.01, 0.01, 0.01, 0.01])
+    assert f.itl[0] == 4  # 5 tokens: 1 + 3 + 1, first one has no gap
+    assert itl == pytest.approx([0.01, 0.01, 0.01, 0.01])
 
 
 def test_running_usage_of_several_choices_is_not_taken_as_exact() -> None:
     """n=2: vLLM's running usage counts per choice, not per stream. Choice A's chunks carry
     1, 2 and 1 tokens, B's 1 each, interleaved: the running counts go 1, 1, 3, 2, 4, 3."""
-    t = StreamTiming(arrival_ns=0)
+    itl: list[float] = []
+    t = StreamTiming(arrival_ns=0, single_choice=False, observe_itl=itl.append)
     for i, (cumulative, chars) in enumerate(
         [(1, 2), (1, 2), (3, 4), (2, 2), (4, 2), (3, 2)], start=1
     ):
-        t.output(i * 10 * MS, cumulative, chars)
+        t.event(i * 10 * MS, cumulative, chars)
     t.completion_tokens, t.end_ns = 7, 60 * MS  # the final usage sums both choices
+    t.settle()
     f = figures(t)
     assert not f.tokens_exact  # estimated from the text, not misread from per-choice counts
-    assert f.output_tokens == 7 and len(f.itl_s) == 6
-    assert f.itl_s == pytest.approx([0.01, 0.005, 0.005, 0.01, 0.01, 0.01])
+    assert f.output_tokens == 7 and f.itl[0] == 6
+    assert itl == pytest.approx([0.01, 0.005, 0.005, 0.01, 0.01, 0.01])
+
+
+def test_plan_says_whether_the_request_asks_one_choice() -> None:
+    assert plan_request(b'{"stream": true}', True).single_choice
+    assert plan_request(b'{"stream": true, "n": 1}', True).single_choice
+    assert not plan_request(b'{"stream": true, "n": 2}', True).single_choice
 
 
 def test_timing_one_token_per_chunk_counts_as_exact_when_totals_agree() -> None:
-    t = StreamTiming(arrival_ns=0)
+    itl: list[float] = []
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
     for i in range(1, 4):
-        t.output(i * 10 * MS, None, chars=2)
+        t.event(i * 10 * MS, None, chars=2)
     t.completion_tokens, t.end_ns = 3, 30 * MS
+    t.settle()
     f = figures(t)
-    assert f.tokens_exact and f.itl_s == pytest.approx([0.01, 0.01])
+    assert f.tokens_exact and itl == pytest.approx([0.01, 0.01])
+
+
+def test_estimated_events_wait_in_bounded_memory() -> None:
+    itl: list[float] = []
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    events = PENDING_LIMIT + 101
+    for i in range(1, events + 1):
+        t.event(i * MS, None, chars=1)
+    assert len(t.pending_gaps) == PENDING_LIMIT and len(itl) == 100  # the rest: one each, live
+    t.completion_tokens = events
+    t.settle()
+    assert len(itl) == events - 1 and t.tokens_exact and not t.pending_gaps
 
 
 def test_timing_without_output_has_no_ttft() -> None:
-    f = figures(StreamTiming(arrival_ns=0, end_ns=NS))
-    assert (f.ttft_s, f.e2e_s, f.itl_s, f.tpot_s) == (None, 1.0, [], None)
+    t = StreamTiming(arrival_ns=0, end_ns=NS)
+    t.settle()
+    f = figures(t)
+    assert (f.ttft_s, f.e2e_s, f.itl, f.tpot_s) == (None, 1.0, (0, None, None, None, None), None)
 
 
-def test_summarize_nearest_rank() -> None:
-    samples = [float(i) for i in range(1, 101)]
-    assert summarize(samples) == (100, 50.5, 50.0, 95.0, 100.0)
-    assert summarize([]) == (0, None, None, None, None)
+def test_a_failing_histogram_never_breaks_the_stream() -> None:
+    def broken(_: float) -> None:
+        raise RuntimeError("metrics are down")
+
+    t = StreamTiming(arrival_ns=0, observe_ttft=broken, observe_itl=broken)
+    t.event(10 * MS, 1, 1)
+    t.event(20 * MS, 2, 1)
+    assert t.first_output_ns == 10 * MS and t.gaps.count == 1
+
+
+def test_gap_summary_nearest_rank_while_exact() -> None:
+    gaps = GapSummary()
+    for i in range(1, 101):
+        gaps.add(float(i))
+    assert gaps.summary() == (100, 50.5, 50.0, 95.0, 100.0) and gaps.exact
+    assert GapSummary().summary() == (0, None, None, None, None)
+
+
+def test_gap_summary_stays_bounded_and_within_one_percent_past_the_exact_limit() -> None:
+    rng = random.Random(7)
+    values = [rng.lognormvariate(-4, 0.6) for _ in range(50_000)] + [0.0] * 10
+    gaps = GapSummary()
+    for v in values:
+        gaps.add(v)
+    gaps.add(0.02, times=3)
+    values += [0.02] * 3
+    ordered = sorted(values)
+    count, mean, p50, p95, largest = gaps.summary()
+    assert not gaps.exact and len(gaps._buckets) < 1000  # memory bounded by the range
+    assert count == len(values) and largest == ordered[-1]
+    assert mean == pytest.approx(sum(values) / len(values), rel=1e-9)
+    assert p50 == pytest.approx(percentile(ordered, 0.5), rel=0.01)
+    assert p95 == pytest.approx(percentile(ordered, 0.95), rel=0.01)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Any
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.core.metrics import ProxyMetrics
 from tests.conftest import Proxy
+from tests.support.served import wait_for
 
 SCRIPT = {"x-script": orjson.dumps({"tokens": [[0.01, "a", 1], [0.02, "b", 1]]}).decode()}
 
@@ -87,3 +89,30 @@ def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
     assert proxy.sample("phasewatch_requests_in_flight") == 0
     records = sorted(proxy.next_record().in_flight_at_arrival for _ in range(3))
     assert records == [0, 1, 2]
+
+
+class CountingCollector:
+    """Counts how often a scrape renders the registry."""
+
+    def __init__(self) -> None:
+        self.renders = 0
+
+    def collect(self) -> list[Any]:
+        self.renders += 1
+        return []
+
+
+def test_a_scrape_storm_costs_one_render_per_interval(make_proxy: Any, scripted_url: str) -> None:
+    proxy = make_proxy(scripted_url, metrics_cache_s=0.5)  # default 1 s
+    counter = CountingCollector()
+    proxy.registry.register(counter)
+
+    async def storm() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
+            return await asyncio.gather(*(client.get("/metrics") for _ in range(50)))
+
+    answers = asyncio.run(storm())
+    assert all(a.status_code == 200 for a in answers) and len({a.text for a in answers}) == 1
+    assert counter.renders == 1  # fifty scrapers, one render
+    wait_for(lambda: httpx.get(proxy.url + "/metrics").status_code == 200
+             and counter.renders == 2, says="a render once the interval is over")

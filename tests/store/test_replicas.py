@@ -78,6 +78,8 @@ def test_two_replicas_share_one_schedule_store_everything_and_answer_alike(
             "PHASEWATCH_DIAGNOSIS_BASELINE_S": "600",
             "PHASEWATCH_WRITER_FLUSH_INTERVAL_S": "0.02",
             "PHASEWATCH_LOG_LEVEL": "warning",
+            "PHASEWATCH_ADMIN_OPEN": "true",
+            "PHASEWATCH_METRICS_CACHE_S": "0",
         }
         replicas = {}
         for _ in range(2):

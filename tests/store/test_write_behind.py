@@ -8,12 +8,10 @@ import asyncio
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 
 from app.core.settings import load_settings
 from app.main import create_app
@@ -54,6 +52,8 @@ def test_a_locked_database_never_slows_the_relay(make_proxy: Any, scripted_url: 
             time.sleep(0.01)
         assert proxy.sample("phasewatch_records_dropped_total") == 6
         assert max(times) < 0.5  # the streams took their scripted ~20 ms, not the lock's time
+        # Live while the writer hangs on the lock: the one it holds and the five queued.
+        assert proxy.sample("phasewatch_record_queue_depth") == 6
     finally:
         lock.execute("ROLLBACK")
         lock.close()
@@ -61,22 +61,16 @@ def test_a_locked_database_never_slows_the_relay(make_proxy: Any, scripted_url: 
     while len(proxy.stored()) < 7 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(proxy.stored()) == 7  # 1 before + 1 held + 5 queued: all written once unlocked
-
-
-@pytest.fixture
-def private_postgres() -> Iterator[PrivatePostgres]:
-    pg = PrivatePostgres()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.remove()
+    while proxy.sample("phasewatch_record_queue_depth") and time.monotonic() < deadline:
+        time.sleep(0.01)  # the writer lets go of its batch just after the commit
+    assert proxy.sample("phasewatch_record_queue_depth") == 0
 
 
 def test_postgres_stopped_and_restarted_under_load(scripted_url: str,
                                                     private_postgres: PrivatePostgres) -> None:
     upgrade(private_postgres.url)
     settings = load_settings(upstream_url=scripted_url, database_url=private_postgres.url,
+                             admin_open=True,
                              record_queue_size=20, writer_flush_interval_s=0.02)
     from prometheus_client import CollectorRegistry
     registry = CollectorRegistry()
@@ -142,7 +136,7 @@ def test_postgres_stopped_and_restarted_under_load(scripted_url: str,
 
 
 def test_clean_shutdown_flushes_the_queue(scripted_url: str, sqlite_url: str) -> None:
-    settings = load_settings(upstream_url=scripted_url, database_url=sqlite_url,
+    settings = load_settings(upstream_url=scripted_url, database_url=sqlite_url, admin_open=True,
                              writer_flush_interval_s=30, writer_batch_size=10_000)
     server = ThreadServer(create_app(settings)).start()
     proxy = Proxy(server, None)  # type: ignore[arg-type]

@@ -9,7 +9,8 @@ client went away) is served at `GET /_log/{x-request-id}`. Run it as
 
 Script keys: `tokens` [[t_s, text, n_tokens], ...]; `role` (chat role chunk first, default
 true); `role_at` (s); `prompt_tokens`; `status` and `delay` (an error status, sent after
-`delay` s); `error_at` (in-band error then [DONE]); `drop_at` (close the connection mid-stream);
+`delay` s; `error_type` its error's type); `error_at` (in-band error then [DONE]); `drop_at`
+(close the connection mid-stream);
 `split` (write every event in two pieces, 5 ms apart); `done` (send [DONE], default true);
 `pad` (repeat each token's text this many times, for streams bigger than any buffer);
 `linger` (s to wait after [DONE] before ending the body, as an engine may).
@@ -90,7 +91,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     rid = headers.get("x-request-id", "none")
     log: dict[str, Any] = {"arrived_ns": arrived, "headers": headers,
                            "body": request.decode(), "sent_ns": [], "disconnected": False,
-                           "query": scope["query_string"].decode(), "path": path}
+                           "query": scope["query_string"].decode(), "path": path,
+                           "raw_path": (scope.get("raw_path") or b"").decode("latin-1")}
     LOG[rid] = log
     script = orjson.loads(headers.get("x-script", "{}"))
     req = orjson.loads(request) if request else {}
@@ -116,7 +118,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if status != 200:
         await at(script.get("delay", 0))
         body = orjson.dumps({"error": {"message": "scripted failure for prompt 'secret'",
-                                       "type": "BadRequestError", "param": None, "code": status}})
+                                       "type": script.get("error_type", "BadRequestError"),
+                                       "param": None, "code": status}})
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})

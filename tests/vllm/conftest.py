@@ -68,7 +68,7 @@ def vllm_proxy_module(vllm_server: VLLMServer,
     """The same, shared by one module's tests (for requests sent once and checked many ways)."""
     database = tmp_path_factory.mktemp("proxy") / "phasewatch.db"
     registry = CollectorRegistry()
-    settings = load_settings(upstream_url=vllm_server.url,
+    settings = load_settings(upstream_url=vllm_server.url, admin_open=True,
                              database_url=f"sqlite+aiosqlite:///{database}",
                              writer_flush_interval_s=0.02)
     server = ThreadServer(create_app(settings, registry=registry)).start()

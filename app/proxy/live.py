@@ -1,0 +1,190 @@
+"""What is in flight right now: the timeouts, the live gauges, and the snapshot.
+
+Every open exchange is registered here for its life. Once per period (`min(1 s, idle / 4,
+client stall / 4)`), one pass over them:
+- ends each one whose client has not taken what is written to it for the client stall timeout
+  (`client_stalled()`): a client that stops reading would otherwise hold an engine slot until
+  the upstream idle timeout, since back-pressure stops the upstream's reads;
+- ends each one its upstream has left silent past the idle timeout (`idle_timeout()`): one
+  periodic look instead of a timer re-armed on every read (aiohttp's `sock_read` cancels and
+  creates one per chunk, a measurable share of the per-chunk cost); a silent exchange ends
+  between `idle` and `idle + period` after its last read;
+- sets the live gauges of each model (`LiveGauges`): streams waiting for their first token,
+  streams decoding, the age of the oldest stream still waiting, and decoding streams silent
+  for longer than the stall threshold. A model whose streams have all ended reads 0.
+`snapshot()` gives the open streams as `InFlight` values for the diagnosis.
+
+Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from app.core.live import InFlight, LiveCounts
+
+NS = 1_000_000_000
+
+
+class Watched(Protocol):
+    """An open exchange, as this registry sees it."""
+
+    last_read_ns: int  # perf_counter_ns() of the upstream's last read (or the request's arrival)
+    client_blocked_ns: int  # since when the client has not taken what is written (0: it does)
+
+    def idle_timeout(self) -> None: ...
+
+    def shut_down(self) -> None: ...
+
+    def client_stalled(self) -> None: ...
+
+    def live_view(self) -> LiveView | None:
+        """Where the stream is (None: not a stream, so not in the live gauges)."""
+
+    def in_flight(self, now_ns: int, wall_now: float) -> InFlight:
+        """The stream as a plain value for the diagnosis (`wall_now`: POSIX seconds)."""
+
+
+@dataclass(slots=True)
+class LiveView:
+    """One open stream's live state, read on each pass."""
+
+    model: str  # its model label
+    arrival_ns: int
+    first_token_ns: int | None  # None: still waiting for its first token
+
+
+class LiveGauges:
+    """The live gauges, per model label; summed over workers (oldest wait: the max)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.waiting = Gauge(
+            "phasewatch_streams_waiting",
+            "Streams waiting for their first token (queued or in prefill): the proxy's view "
+            "of the engine's waiting queue.",
+            ("model",), registry=registry, multiprocess_mode="livesum")
+        self.decoding = Gauge(
+            "phasewatch_streams_decoding",
+            "Streams that have had their first token and not ended.",
+            ("model",), registry=registry, multiprocess_mode="livesum")
+        self.oldest_waiting = Gauge(
+            "phasewatch_oldest_waiting_seconds",
+            "Age of the oldest stream still waiting for its first token (0: none waits).",
+            ("model",), registry=registry, multiprocess_mode="livemax")
+        self.stalled = Gauge(
+            "phasewatch_streams_stalled",
+            "Decoding streams silent for longer than the stall threshold "
+            "(PHASEWATCH_STALL_THRESHOLD_S).",
+            ("model",), registry=registry, multiprocess_mode="livesum")
+        self._shown: set[str] = set()
+
+    def set(self, counts: dict[str, LiveCounts]) -> None:
+        for model in self._shown - counts.keys():
+            counts[model] = LiveCounts()  # its streams have ended
+        for model, c in counts.items():
+            self.waiting.labels(model).set(c.waiting)
+            self.decoding.labels(model).set(c.decoding)
+            self.oldest_waiting.labels(model).set(c.oldest_waiting_s)
+            self.stalled.labels(model).set(c.stalled)
+        self._shown = set(counts)
+
+
+def live_counts(views: Iterable[tuple[LiveView, int]], now_ns: int,
+                stall_ns: int) -> dict[str, LiveCounts]:
+    """Per model, the gauges' values from (view, last read) pairs. Pure."""
+    waiting: dict[str, int] = {}
+    decoding: dict[str, int] = {}
+    oldest: dict[str, int] = {}
+    stalled: dict[str, int] = {}
+    for view, last_read_ns in views:
+        model = view.model
+        if view.first_token_ns is None:
+            waiting[model] = waiting.get(model, 0) + 1
+            age = now_ns - view.arrival_ns
+            if age > oldest.get(model, 0):
+                oldest[model] = age
+        else:
+            decoding[model] = decoding.get(model, 0) + 1
+            if now_ns - last_read_ns > stall_ns:
+                stalled[model] = stalled.get(model, 0) + 1
+    return {
+        model: LiveCounts(waiting.get(model, 0), decoding.get(model, 0),
+                          oldest.get(model, 0) / NS, stalled.get(model, 0))
+        for model in waiting.keys() | decoding.keys()
+    }
+
+
+class LiveStreams:
+    def __init__(self, idle_s: float, stall_s: float, gauges: LiveGauges | None = None,
+                 snapshot_limit: int = 1000, client_stall_s: float = 60.0) -> None:
+        self.idle_ns = int(idle_s * NS)
+        self.client_stall_ns = int(client_stall_s * NS)
+        self.stall_ns = int(stall_s * NS)
+        self.period_s = min(1.0, idle_s / 4, client_stall_s / 4)
+        self.snapshot_limit = snapshot_limit
+        self._gauges = gauges
+        self._open: set[Watched] = set()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def watch(self, exchange: Watched) -> None:
+        self._open.add(exchange)
+
+    def forget(self, exchange: Watched) -> None:
+        self._open.discard(exchange)
+
+    def check(self, now_ns: int) -> int:
+        """End every exchange silent past the idle timeout, or whose client has not read for
+        the client stall timeout, and set the gauges; return how many were ended."""
+        silent = [e for e in self._open if now_ns - e.last_read_ns > self.idle_ns]
+        for exchange in silent:
+            self._open.discard(exchange)
+            exchange.idle_timeout()
+        blocked = [e for e in self._open
+                   if e.client_blocked_ns and now_ns - e.client_blocked_ns > self.client_stall_ns]
+        for exchange in blocked:
+            self._open.discard(exchange)
+            exchange.client_stalled()
+        if self._gauges is not None:
+            self._gauges.set(self.counts(now_ns))
+        return len(silent) + len(blocked)
+
+    def end_all(self) -> int:
+        """End every open exchange now (shutting down, its grace over); return how many."""
+        ending = list(self._open)
+        self._open.clear()
+        for exchange in ending:
+            exchange.shut_down()
+        return len(ending)
+
+    def counts(self, now_ns: int) -> dict[str, LiveCounts]:
+        return live_counts(self._views(), now_ns, self.stall_ns)
+
+    def _views(self) -> Iterable[tuple[LiveView, int]]:
+        for exchange in self._open:
+            view = exchange.live_view()
+            if view is not None:
+                yield view, exchange.last_read_ns
+
+    def snapshot(self, now_ns: int | None = None) -> list[InFlight]:
+        """The open streams as plain values, at most `snapshot_limit`: those waiting for their
+        first token first (the earliest sign of queueing), then the longest open."""
+        now_ns = perf_counter_ns() if now_ns is None else now_ns
+        wall_now = time.time()
+        open_streams = [(e, v) for e in self._open if (v := e.live_view()) is not None]
+        open_streams.sort(key=lambda ev: (ev[1].first_token_ns is not None, ev[1].arrival_ns))
+        return [exchange.in_flight(now_ns, wall_now)
+                for exchange, _ in open_streams[: self.snapshot_limit]]
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            self.check(perf_counter_ns())

@@ -1,0 +1,69 @@
+"""The schedule over a long incident, on stored records and explicit round times: the verdict
+is named, holds for the whole incident (its baseline frozen at the last healthy span), changes
+only after the rounds hysteresis asks, and each stored change carries why."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+from app.core.db import create_engine, create_sessionmaker
+from app.core.settings import load_settings
+from app.diagnosis.service import DiagnosisService, PreviousSpan
+from app.store.diagnoses import list_diagnoses
+from app.store.migrate import upgrade
+from tests.diagnosis.test_api import insert, rows
+
+T0 = datetime(2026, 11, 30, 8, 0, 0, tzinfo=UTC)
+INCIDENT_S, HEALTHY_S = 1800, 600  # the incident lasts six baselines
+
+
+async def test_a_long_incident_stays_named_and_its_baseline_is_not_absorbed(
+        sqlite_url: str) -> None:
+    await asyncio.to_thread(upgrade, sqlite_url)
+    await asyncio.to_thread(insert, sqlite_url, [
+        *rows("m", T0, HEALTHY_S, HEALTHY_S, seed=1),
+        *rows("m", T0 + timedelta(seconds=HEALTHY_S), INCIDENT_S, INCIDENT_S, ttft=2.0, seed=2),
+        *rows("m", T0 + timedelta(seconds=HEALTHY_S + INCIDENT_S), 300, 300, seed=3),
+    ])
+    settings = load_settings(database_url=sqlite_url, diagnosis_window_s=60,
+                             diagnosis_recent_s=60, diagnosis_baseline_s=300,
+                             diagnosis_hold_rounds=2, diagnosis_switch_confidence=0.95,
+                             engine_metrics_enabled=False)
+    engine = create_engine(sqlite_url)
+    service = DiagnosisService(create_sessionmaker(engine), settings)
+    held: list[tuple[int, str]] = []
+    try:
+        for second in range(360, HEALTHY_S + INCIDENT_S + 300, 30):
+            judged = await service.evaluate_all(now=T0 + timedelta(seconds=second))
+            held.append((second - HEALTHY_S, judged["m"]))
+        during = [v for t, v in held if 60 <= t <= INCIDENT_S]
+        assert set(during) == {"queueing"}, held
+        assert [v for t, v in held if t < 0] == ["healthy"] * len([t for t, _ in held if t < 0])
+        # Onset at 0: the first round after it sees a 30x TTFT, overwhelming evidence.
+        first = min(t for t, v in held if v == "queueing")
+        assert first == 30, held
+        # After the incident the verdict returns to healthy, again after two rounds.
+        assert held[-1][1] == "healthy", held
+        # Without the frozen baseline the last minutes of the incident read healthy: the
+        # span before the window was all incident by then.
+        late = T0 + timedelta(seconds=HEALTHY_S + INCIDENT_S - 10)
+        plain = await service.diagnose("m", late, timedelta(seconds=60), PreviousSpan(300))
+        assert plain["verdict"] == "healthy"
+        async with service.sessionmaker() as session:
+            stored, _ = await list_diagnoses(session, "m", 10, None)
+        assert [d.verdict for d in reversed(stored)] == ["healthy", "queueing", "healthy"]
+        onset = stored[1].evidence
+        assert onset["round_verdict"] == "queueing"
+        assert onset["evidence"]["schedule"]["because"].startswith("overwhelming")
+        # The return to healthy waits the two rounds, however confident the first.
+        assert stored[0].evidence["evidence"]["schedule"]["because"] == "held 2 round(s)"
+        assert onset["baseline"]["schedule_kind"] == "previous"  # the round that first saw it
+        # Every round after it compared with the frozen healthy span, the last one too.
+        end = stored[0].evidence
+        assert end["baseline"]["schedule_kind"] == "healthy_reference"
+        assert end["baseline"]["known_healthy"] is True
+        assert stored[0].baseline.startswith("healthy_reference ")
+        assert end["baseline"]["until"] <= (T0 + timedelta(seconds=HEALTHY_S + 30)).isoformat()
+    finally:
+        await engine.dispose()

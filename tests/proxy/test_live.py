@@ -1,0 +1,167 @@
+"""The live view: TTFT and ITL observed while streams run, live gauges, and the snapshot.
+
+A real proxy under uvicorn in front of the scripted upstream; every wait is on a condition
+(polled with a deadline), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+
+from app.core.live import InFlight
+from app.proxy.live import LiveStreams, LiveView, live_counts
+from tests.conftest import Proxy
+from tests.support.served import wait_for
+
+LABELS = {"model": "scripted", "endpoint": "chat.completions"}
+NS = 1_000_000_000
+
+
+def stream_in_thread(proxy: Proxy, script: dict[str, Any]) -> threading.Thread:
+    def run() -> None:
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", timeout=20,
+                          json={"model": "scripted", "stream": True,
+                                "messages": [{"role": "user", "content": "x"}]},
+                          headers={"x-script": orjson.dumps(script).decode()}) as response:
+            for _ in response.iter_bytes():
+                pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def on_loop(proxy: Proxy, fn: Callable[[], Any]) -> Any:
+    """Run `fn` on the proxy's event loop (the live registry is not thread-safe)."""
+    async def call() -> Any:
+        return fn()
+    assert proxy.server.loop is not None
+    return asyncio.run_coroutine_threadsafe(call(), proxy.server.loop).result(5)
+
+
+def live(proxy: Proxy) -> LiveStreams:
+    registry: LiveStreams = proxy.server.app.api.state.proxy.live
+    return registry
+
+
+def test_ttft_and_itl_are_observed_while_the_stream_runs(proxy: Proxy) -> None:
+    # First token at 50 ms, the second at 100 ms, then nothing until 3 s.
+    thread = stream_in_thread(proxy, {"tokens": [[0.05, "a", 1], [0.1, "b", 1], [3.0, "c", 1]]})
+    wait_for(lambda: proxy.sample("phasewatch_inter_token_latency_seconds_count", LABELS) == 1)
+    assert thread.is_alive()  # the stream is still open: observed as it happened
+    assert proxy.sample("phasewatch_time_to_first_token_seconds_count", LABELS) == 1
+    assert proxy.sample("phasewatch_request_time_per_output_token_seconds_count", LABELS) == 0
+    thread.join()
+    record = proxy.next_record()
+    assert record.itl_count == 2 == proxy.sample(
+        "phasewatch_inter_token_latency_seconds_count", LABELS)
+    itl_sum = proxy.sample("phasewatch_inter_token_latency_seconds_sum", LABELS)
+    assert abs(itl_sum - record.itl_mean_s * record.itl_count) < 1e-9  # metrics = record
+    assert proxy.sample("phasewatch_time_to_first_token_seconds_sum", LABELS) == record.ttft_s
+
+
+def test_live_gauges_show_waiting_decoding_and_stalled_streams(
+    make_proxy: Callable[..., Proxy], scripted_url: str
+) -> None:
+    proxy = make_proxy(scripted_url, stall_threshold_s=0.3, upstream_idle_timeout_s=2.0)
+    model = {"model": "scripted"}
+    # One stream is served first so the model has its own label, not `other`.
+    stream_in_thread(proxy, {"tokens": [[0.01, "a", 1]]}).join()
+    proxy.next_record()
+    waiting = stream_in_thread(proxy, {"tokens": [[1.5, "a", 1]]})  # waits 1.5 s
+    stalled = stream_in_thread(proxy, {"tokens": [[0.05, "a", 1], [1.5, "b", 1]]})
+
+    def gauge(name: str) -> float:
+        return proxy.sample(name, model)
+
+    wait_for(lambda: gauge("phasewatch_streams_stalled") == 1
+             and gauge("phasewatch_oldest_waiting_seconds") >= 0.3)
+    assert gauge("phasewatch_streams_waiting") == 1
+    assert gauge("phasewatch_streams_decoding") == 1
+    snapshot: list[InFlight] = on_loop(proxy, lambda: live(proxy).snapshot())
+    assert [s.waiting for s in snapshot] == [True, False]  # waiting ones first
+    first, second = snapshot
+    assert first.ttft_s is None and first.age_s >= 0.3 and first.model == "scripted"
+    assert second.ttft_s is not None and second.silent_s >= 0.3 and second.itl_count == 0
+    assert InFlight.from_dict(orjson.loads(orjson.dumps(first.as_dict()))) == first
+    waiting.join()
+    stalled.join()
+    wait_for(lambda: gauge("phasewatch_streams_waiting") == 0
+             and gauge("phasewatch_streams_decoding") == 0)
+    assert gauge("phasewatch_streams_stalled") == 0
+    assert gauge("phasewatch_oldest_waiting_seconds") == 0
+
+
+class FakeExchange:
+    def __init__(self, model: str, arrival_ns: int, first_token_ns: int | None,
+                 last_read_ns: int, stream: bool = True) -> None:
+        self.view = LiveView(model, arrival_ns, first_token_ns) if stream else None
+        self.last_read_ns = last_read_ns
+        self.client_blocked_ns = 0
+        self.timed_out = False
+        self.ended = ""
+
+    def idle_timeout(self) -> None:
+        self.timed_out = True
+
+    def shut_down(self) -> None:
+        self.ended = "shut down"
+
+    def client_stalled(self) -> None:
+        self.ended = "client stalled"
+
+    def live_view(self) -> LiveView | None:
+        return self.view
+
+    def in_flight(self, now_ns: int, wall_now: float) -> InFlight:
+        assert self.view is not None
+        age = (now_ns - self.view.arrival_ns) / NS
+        ttft = None if self.view.first_token_ns is None else (
+            (self.view.first_token_ns - self.view.arrival_ns) / NS)
+        return InFlight(self.view.model, wall_now - age, age, ttft,
+                        (now_ns - self.last_read_ns) / NS, 0, None, None, None, 0)
+
+
+def test_live_counts_per_model() -> None:
+    now = 100 * NS
+    views = [
+        (LiveView("a", 90 * NS, None), 90 * NS),  # waiting 10 s
+        (LiveView("a", 97 * NS, None), 97 * NS),  # waiting 3 s
+        (LiveView("a", 50 * NS, 60 * NS), 99 * NS),  # decoding, read 1 s ago
+        (LiveView("b", 50 * NS, 60 * NS), 80 * NS),  # decoding, silent 20 s: stalled
+    ]
+    counts = live_counts(views, now, stall_ns=5 * NS)
+    assert (counts["a"].waiting, counts["a"].decoding, counts["a"].stalled) == (2, 1, 0)
+    assert counts["a"].oldest_waiting_s == 10.0
+    assert (counts["b"].waiting, counts["b"].decoding, counts["b"].stalled) == (0, 1, 1)
+    assert counts["b"].oldest_waiting_s == 0.0
+
+
+def test_registry_times_out_silent_exchanges_and_bounds_the_snapshot() -> None:
+    registry = LiveStreams(idle_s=10.0, stall_s=5.0, snapshot_limit=2)
+    silent = FakeExchange("a", 0, 1 * NS, last_read_ns=1 * NS)
+    fresh = [FakeExchange("a", i * NS, None, last_read_ns=i * NS) for i in (20, 21, 22)]
+    plain = FakeExchange("a", 0, None, last_read_ns=25 * NS, stream=False)
+    for exchange in (silent, *fresh, plain):
+        registry.watch(exchange)
+    assert registry.check(25 * NS) == 1 and silent.timed_out  # silent for 24 s > 10 s
+    assert not any(e.timed_out for e in (*fresh, plain))
+    snapshot = registry.snapshot(25 * NS)
+    assert [s.age_s for s in snapshot] == [5.0, 4.0]  # the two oldest waiting, not a third
+
+
+def test_registry_ends_an_exchange_whose_client_stopped_reading() -> None:
+    registry = LiveStreams(idle_s=600.0, stall_s=5.0, client_stall_s=60.0)
+    reading, blocked = (FakeExchange("a", 0, NS, last_read_ns=NS) for _ in range(2))
+    blocked.client_blocked_ns = 10 * NS  # its client has taken nothing since 10 s
+    registry.watch(reading)
+    registry.watch(blocked)
+    assert registry.check(65 * NS) == 0  # 55 s: within the client stall timeout
+    assert registry.check(71 * NS) == 1
+    assert blocked.ended == "client stalled" and reading.ended == "" and len(registry) == 1

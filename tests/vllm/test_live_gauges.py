@@ -1,0 +1,73 @@
+"""phasewatch's live view of a real vLLM's queue: its streams waiting for a first token and
+decoding, against vLLM's own `num_requests_waiting` and `num_requests_running`.
+
+Six long prompts sent at once make vLLM queue most of them while it prefills one at a time
+(each is 3,500 tokens; its default token budget per step holds one). vLLM counts a request in
+prefill as running; phasewatch counts it as waiting (no first token yet), so:
+- the totals agree: proxy waiting + decoding == vLLM waiting + running, up to the requests in
+  transit between two reads taken a few ms apart (judged on the median over the run);
+- vLLM's waiting queue is inside phasewatch's: proxy waiting >= vLLM waiting, likewise.
+The proxy's counts are read from its registry on its own loop, vLLM's from its /metrics, in
+turn, every few ms until every stream has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import threading
+import time
+from typing import Any
+
+from app.proxy.live import LiveStreams
+from tests.conftest import Proxy
+from tests.vllm.engine_metrics import Snapshot
+from tests.vllm.server import VLLMServer
+from tests.vllm.streams import stream, token_prompt
+
+STREAMS = 6
+
+
+def proxy_counts(proxy: Proxy) -> tuple[int, int]:
+    registry: LiveStreams = proxy.server.app.api.state.proxy.live
+
+    async def read() -> tuple[int, int]:
+        counts = registry.counts(time.perf_counter_ns())
+        return (sum(c.waiting for c in counts.values()),
+                sum(c.decoding for c in counts.values()))
+
+    assert proxy.server.loop is not None
+    return asyncio.run_coroutine_threadsafe(read(), proxy.server.loop).result(5)
+
+
+def test_live_gauges_follow_vllms_queue(vllm_server: VLLMServer, vllm_proxy: Proxy) -> None:
+    model = vllm_server.model
+    bodies: list[dict[str, Any]] = [
+        {"model": model, "prompt": token_prompt(3500, 100 + i), "max_tokens": 32,
+         "ignore_eos": True, "temperature": 0} for i in range(STREAMS)]
+    results: list[Any] = []
+    threads = [threading.Thread(
+        target=lambda b=body: results.append(stream(vllm_proxy.url, "/v1/completions", b)))
+        for body in bodies]
+    for thread in threads:
+        thread.start()
+    samples: list[tuple[int, int, float, float]] = []
+    while any(thread.is_alive() for thread in threads):
+        waiting, decoding = proxy_counts(vllm_proxy)
+        engine = Snapshot(vllm_server.metrics_text(), model)
+        samples.append((waiting, decoding, engine["vllm:num_requests_waiting"],
+                        engine["vllm:num_requests_running"]))
+    for thread in threads:
+        thread.join()
+    assert len(results) == STREAMS and all(r.status == 200 for r in results)
+    busy = [s for s in samples if s[0] + s[1] > 0]
+    print("proxy waiting, decoding | vLLM waiting, running:",  # for `pytest -rP`
+          ", ".join(f"{w} {d} | {ew:.0f} {er:.0f}" for w, d, ew, er in busy))
+    assert len(busy) >= 5, samples
+    assert any(s[2] > 0 and s[0] > 0 for s in busy), f"vLLM never queued: {samples}"
+    assert any(s[1] > 0 for s in busy), samples  # the decoding state was seen as well
+    total_gap = statistics.median(abs((w + d) - (ew + er)) for w, d, ew, er in busy)
+    assert total_gap <= 1, samples
+    queue_gap = statistics.median(ew - w for w, _, ew, _ in busy)
+    assert queue_gap <= 0, samples  # vLLM's waiting requests are among the proxy's
+    assert proxy_counts(vllm_proxy) == (0, 0)
