@@ -16,7 +16,7 @@ Scenarios (simulator flags; phases; what must be seen):
 - out_of_capacity: `--peak-tflops 8 --max-num-seqs 32`; 4 -> 64 users; out_of_capacity.
 - burst: `--max-num-seqs 4`; 3 users, 12 users for 20 s, 3 users again; after the burst the
   verdict must be back to healthy (time to healthy after the burst ends is printed).
-- long_queueing: as queueing, the fault held for `--long-minutes` (default 16): once named,
+- long_queueing: as queueing, the fault held for `--long-minutes` (default 20): once named,
   queueing must stay named to the end (the baseline must not absorb the incident).
 - prompt_mix: `--max-num-batched-tokens 512`; 6 req/s, prompts 100-400 -> 6 req/s, 70% of
   prompts 1500-3000 (equal load); prefill_bound, and never queueing.
@@ -26,7 +26,7 @@ non-healthy verdict was held at confidence >= 0.5 between onset and then (burst:
 healthy within 120 s of the burst's end; long: no other verdict after the first right one).
 
 Run: `.venv/bin/python benchmarks/diagnosis_scenarios.py --onset [--onset-scenario NAME ...]
-[--long-minutes 16]` (or this module directly). About 4 minutes a scenario; the long one
+[--long-minutes 20]` (or this module directly). About 4 minutes a scenario; the long one
 runs beside the others.
 """
 
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--onset-scenario", action="append",
                         choices=[*sorted(ONSETS), "long_queueing"])
-    parser.add_argument("--long-minutes", type=float, default=16.0)
+    parser.add_argument("--long-minutes", type=float, default=20.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     names = args.onset_scenario or [*ONSETS, "long_queueing"]

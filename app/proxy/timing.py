@@ -80,8 +80,8 @@ class StreamTiming:
     # Estimated: the first event's characters, then per later event the gap before it and its
     # characters, until the final usage says how many tokens they carried.
     first_chars: int = 0
-    pending_gaps: array[int] = field(default_factory=lambda: array("q"))
-    pending_chars: array[int] = field(default_factory=lambda: array("q"))
+    pending_gaps: array[int] | None = None  # made when the stream turns out estimated
+    pending_chars: array[int] | None = None
     overflow: int = 0  # events past PENDING_LIMIT, counted one token each
     events: int = 0  # estimated: the events that carried output
     # Totals from the last usage the upstream sent.
@@ -106,9 +106,11 @@ class StreamTiming:
             last, self.last_output_ns = self.last_output_ns, now_ns
             assert last is not None
             self.events += 1
-            if len(self.pending_gaps) < PENDING_LIMIT:
-                self.pending_gaps.append(now_ns - last)
-                self.pending_chars.append(chars)
+            gaps, chars_of = self.pending_gaps, self.pending_chars
+            assert gaps is not None and chars_of is not None
+            if len(gaps) < PENDING_LIMIT:
+                gaps.append(now_ns - last)
+                chars_of.append(chars)
             else:
                 self.overflow += 1
                 self._itl((now_ns - last) / NS, 1)
@@ -123,6 +125,7 @@ class StreamTiming:
             self.counting = Counting.ESTIMATED
             self.first_chars = chars
             self.events = 1
+            self.pending_gaps, self.pending_chars = array("q"), array("q")
         self.first_output_ns = self.last_output_ns = now_ns
         try:
             self.observe_ttft((now_ns - self.arrival_ns) / NS)
@@ -132,27 +135,29 @@ class StreamTiming:
     def _itl(self, gap_s: float, tokens: int) -> None:
         self.gaps.add(gap_s, tokens)
         try:
-            observe = self.observe_itl
-            for _ in range(tokens):
-                observe(gap_s)
+            if tokens == 1:
+                self.observe_itl(gap_s)
+            else:
+                for _ in range(tokens):
+                    self.observe_itl(gap_s)
         except Exception:  # metrics must never break a stream
             log.exception("could not observe an ITL")
 
     def settle(self) -> None:
         """The stream has ended: apportion what waited for the final usage (estimated only)."""
-        if self.counting is not Counting.ESTIMATED or not (self.pending_gaps or self.overflow):
-            self.pending_gaps, self.pending_chars = array("q"), array("q")
+        gaps, chars_of = self.pending_gaps, self.pending_chars
+        self.pending_gaps = self.pending_chars = None
+        if gaps is None or chars_of is None or not (gaps or self.overflow):
             return
-        events = 1 + len(self.pending_gaps)
+        events = 1 + len(gaps)
         total = self.completion_tokens
         share = None if total is None else total - self.overflow
         if share is None or share <= events:
             tokens = [1] * events
         else:
-            tokens = _spread(share, [self.first_chars, *self.pending_chars])
-        for gap_ns, k in zip(self.pending_gaps, tokens[1:], strict=True):
+            tokens = _spread(share, [self.first_chars, *chars_of])
+        for gap_ns, k in zip(gaps, tokens[1:], strict=True):
             self._itl(gap_ns / NS / k, k)
-        self.pending_gaps, self.pending_chars = array("q"), array("q")
 
     @property
     def tokens_exact(self) -> bool:
