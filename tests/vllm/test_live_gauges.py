@@ -3,10 +3,12 @@ decoding, against vLLM's own `num_requests_waiting` and `num_requests_running`.
 
 Six long prompts sent at once make vLLM queue most of them while it prefills one at a time
 (each is 3,500 tokens; its default token budget per step holds one). vLLM counts a request in
-prefill as running; phasewatch counts it as waiting (no first token yet), so:
-- the totals agree: proxy waiting + decoding == vLLM waiting + running, up to the requests in
-  transit between two reads taken a few ms apart (judged on the median over the run);
-- vLLM's waiting queue is inside phasewatch's: proxy waiting >= vLLM waiting, likewise.
+prefill as running; phasewatch counts it as waiting (no first token yet). And phasewatch sees
+a request as soon as it sends it, vLLM only once its HTTP front end has handed it to the
+scheduler. So, judged on medians over the run (two reads a few ms apart each time):
+- vLLM's running batch is phasewatch's decoding streams plus at most the one in prefill;
+- vLLM's requests are among phasewatch's: its waiting + running <= phasewatch's waiting +
+  decoding, and its waiting <= phasewatch's waiting.
 The proxy's counts are read from its registry on its own loop, vLLM's from its /metrics, in
 turn, every few ms until every stream has ended.
 """
@@ -66,8 +68,12 @@ def test_live_gauges_follow_vllms_queue(vllm_server: VLLMServer, vllm_proxy: Pro
     assert len(busy) >= 5, samples
     assert any(s[2] > 0 and s[0] > 0 for s in busy), f"vLLM never queued: {samples}"
     assert any(s[1] > 0 for s in busy), samples  # the decoding state was seen as well
-    total_gap = statistics.median(abs((w + d) - (ew + er)) for w, d, ew, er in busy)
-    assert total_gap <= 1, samples
-    queue_gap = statistics.median(ew - w for w, _, ew, _ in busy)
-    assert queue_gap <= 0, samples  # vLLM's waiting requests are among the proxy's
+    # A stream decoding at the proxy is running in vLLM; vLLM's running batch also holds the
+    # one request it is prefilling (one 3,500-token prompt fills a step): at most one more.
+    batch_gap = statistics.median(er - d for _, d, _, er in busy)
+    assert 0 <= batch_gap <= 1, samples
+    # vLLM's requests are among the proxy's: the proxy also counts those still in vLLM's HTTP
+    # front end, not yet in its scheduler (seen here: up to four, for a second, under load).
+    assert statistics.median((ew + er) - (w + d) for w, d, ew, er in busy) <= 0, samples
+    assert statistics.median(ew - w for w, _, ew, _ in busy) <= 0, samples
     assert proxy_counts(vllm_proxy) == (0, 0)
