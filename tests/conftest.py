@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from app.core.settings import load_settings
 from app.main import create_app
-from tests.support.databases import postgres_database
+from tests.support.databases import PrivatePostgres, postgres_database
 from tests.support.servers import ThreadServer, free_port, subprocess_server
 
 # Threads in the test process hand the GIL over every 5 ms by default; that jitter would show
@@ -61,6 +61,17 @@ def scripted_url() -> Iterator[str]:
             "--log-level", "critical", "--loop", "uvloop", "--http", "httptools"]
     with subprocess_server(args, f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL server of the test's own, which it may stop and start."""
+    pg = PrivatePostgres()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.remove()
 
 
 @pytest.fixture

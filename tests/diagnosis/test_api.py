@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -275,16 +275,6 @@ def test_an_unreachable_engine_is_counted_and_diagnosis_goes_on(
     assert body["verdict"] == "queueing" and body["evidence"]["engine"] is None
     assert body["engine_metrics"]["up"] is None  # no scrape stored by the window's end
     assert get(proxy, model="m", window="1m").json()["engine_metrics"]["up"] is False
-
-
-@pytest.fixture
-def private_postgres() -> Iterator[PrivatePostgres]:
-    pg = PrivatePostgres()
-    pg.start()
-    try:
-        yield pg
-    finally:
-        pg.remove()
 
 
 def test_a_database_outage_fails_rounds_not_streams(

@@ -6,6 +6,7 @@ import asyncio
 import socket
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -143,27 +144,33 @@ async def test_client_leaving_during_a_long_prefill_aborts_it(proxy: Proxy,
     assert record.outcome == "cancelled" and not record.stream
 
 
-def test_client_that_stops_reading_is_not_blamed_on_the_upstream(make_proxy: Any,
-                                                                 scripted_url: str) -> None:
-    """A client that keeps its connection open but stops reading blocks the relay in its send.
-
-    The upstream goes quiet only because of that back-pressure; the watchdog must end the
-    exchange as the client's doing, and must not then block again sending an error tail.
-    """
-    proxy = make_proxy(scripted_url, upstream_idle_timeout_s=0.5)
-    script = {"tokens": [[0.01, "x", 1]] * 400, "pad": 65536}  # 26 MB: more than any buffer
+def stop_reading_a_big_stream(proxy: Proxy, request_id: str) -> SimpleNamespace:
+    """Open a 26 MB stream (more than any buffer) on a raw socket, read its first bytes, then
+    nothing more; return the record the proxy stores for it."""
+    script = {"tokens": [[0.01, "x", 1]] * 400, "pad": 65536}
     body = orjson.dumps({"model": "scripted", "prompt": "x", "stream": True})
     request = (
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        + b"x-script: " + orjson.dumps(script) + b"\r\ncontent-length: "
-        + str(len(body)).encode() + b"\r\n\r\n" + body
+        + b"x-request-id: " + request_id.encode() + b"\r\nx-script: " + orjson.dumps(script)
+        + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     port = int(proxy.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(request)
         sock.recv(1024)  # the response has started; now read nothing more
-        record = proxy.next_record(timeout=10)
+        return proxy.next_record(timeout=10)
+
+
+def test_client_that_stops_reading_is_not_blamed_on_the_upstream(make_proxy: Any,
+                                                                 scripted_url: str) -> None:
+    """A client that keeps its connection open but stops reading blocks the relay in its send.
+
+    The upstream goes quiet only because of that back-pressure; the idle timeout must end the
+    exchange as the client's doing, and must not then block again sending an error tail.
+    """
+    proxy = make_proxy(scripted_url, upstream_idle_timeout_s=0.5)
+    record = stop_reading_a_big_stream(proxy, "not-reading")
     assert record.outcome == "cancelled"
     assert record.error == "client stopped reading past the idle timeout"
     assert record.ttft_s is not None
@@ -176,19 +183,7 @@ def test_a_client_that_stops_reading_is_cut_off_at_the_client_stall_timeout(
     upstream quiet: the client's own stall timeout ends the exchange and closes the upstream
     request, so the engine slot is freed."""
     proxy = make_proxy(scripted_url, client_stall_timeout_s=0.5)  # idle timeout: 600 s
-    script = {"tokens": [[0.01, "x", 1]] * 400, "pad": 65536}  # 26 MB: more than any buffer
-    body = orjson.dumps({"model": "scripted", "prompt": "x", "stream": True})
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        + b"x-request-id: stalled\r\nx-script: " + orjson.dumps(script)
-        + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
-    port = int(proxy.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(request)
-        sock.recv(1024)  # the response has started; now read nothing more
-        record = proxy.next_record(timeout=10)
+    record = stop_reading_a_big_stream(proxy, "stalled")
     assert record.outcome == "cancelled"
     assert record.error == "client stopped reading past the client stall timeout"
     assert upstream_log(scripted_url, "stalled")["disconnected"]  # the engine was told
