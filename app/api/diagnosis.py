@@ -84,11 +84,12 @@ async def diagnosis(
     except ValueError as exc:
         return _invalid("baseline", str(exc), baseline)
     end = utc(until) or datetime.now(UTC)
+    live = until is None  # requests in flight are known for the present only
     try:
         if model is not None:
-            return await service.diagnose(model, end, span, spec, min_samples)
+            return await service.diagnose(model, end, span, spec, min_samples, live)
         models = await service.models(end, span, spec)
-        return {"items": [await service.diagnose(m, end, span, spec, min_samples)
+        return {"items": [await service.diagnose(m, end, span, spec, min_samples, live)
                           for m in models]}
     except UnknownRun as exc:
         return _invalid("baseline", str(exc), baseline)

@@ -153,10 +153,12 @@ class DiagnosisService:
 
     async def diagnose(
         self, model: str, until: datetime, window: timedelta, baseline: Baseline,
-        min_samples: int | None = None,
+        min_samples: int | None = None, live: bool = True,
     ) -> dict[str, Any]:
         """One model's diagnosis as a JSON-ready report. Raises UnknownRun for a run baseline
-        no stored request carries."""
+        no stored request carries. `live`: also read the requests in flight (a question about
+        the present; each process keeps only its latest snapshot, so a question about a moment
+        already past is answered from finished records alone, the same by every process)."""
         since = until - window
         limit = self.settings.diagnosis_max_samples
         async with self.sessionmaker() as session:
@@ -190,7 +192,7 @@ class DiagnosisService:
             engine, engine_up = (None, None) if self.engine_url is None else (
                 await read_engine(session, self.engine_url, since, until, model))
             fresh = await read_fresh(session, until - timedelta(
-                seconds=self.settings.diagnosis_live_max_age_s), until)
+                seconds=self.settings.diagnosis_live_max_age_s), until) if live else []
         rules = self.rules if min_samples is None else replace(self.rules,
                                                                 min_samples=min_samples)
         in_flight = [r for snapshot in fresh for r in snapshot.requests if r.model == model]
