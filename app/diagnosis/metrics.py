@@ -4,13 +4,14 @@
 the seven others (every label value is always present once a model has been judged, so an
 alert can match `== 1` without `absent()` games); `phasewatch_diagnosis_confidence{model}` is
 that verdict's confidence, 0-1 (0 for insufficient data). Models are those the scheduled
-evaluation judges, at most `max_model_labels` of the busiest.
+evaluation judges (app/diagnosis/service.py): at most `max_model_labels` at any time, only
+names the upstream served, and a model's series are removed when it goes quiet.
 
-Only the process that runs the schedule (the leader, app/store/leader.py) sets them; when it
-stops leading it withdraws them: removed, or, under several workers (where prometheus_client
-keeps every series in the process's file and cannot remove one), set to 0, which `max by`
-reads as nothing. Both gauges are `livemax` across workers, so a dead leader's values go
-with it.
+Only the process that runs the schedule (the leader, app/store/leader.py) sets them; when it stops
+leading it withdraws them: removed, or, under several workers (where prometheus_client keeps every
+series in the process's file and cannot remove one), set to 0, which `max by` reads as nothing; the
+same for a model that went quiet. Both gauges are `livemax` across workers, so a dead leader's
+values go with it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ class DiagnosisMetrics:
             self.verdict.labels(model, each.value).set(1.0 if each is verdict else 0.0)
         self.confidence.labels(model).set(confidence)
         self._models.add(model)
+
+    def remove(self, model: str) -> None:
+        """`model` is no longer judged: its series go (set to 0 under several workers)."""
+        if model not in self._models:
+            return
+        self._models.discard(model)
+        for each in Verdict:
+            if self.multiprocess:
+                self.verdict.labels(model, each.value).set(0.0)
+            else:
+                self.verdict.remove(model, each.value)
+        if self.multiprocess:
+            self.confidence.labels(model).set(0.0)
+        else:
+            self.confidence.remove(model)
 
     def withdraw(self) -> None:
         """This process no longer judges: its verdicts must not be read as current."""

@@ -1,17 +1,18 @@
 """The shell around the pure diagnosis: it reads, runs the core off the event loop, keeps the
 schedule, the history and the gauges. The only module of the package that does I/O.
 
-`DiagnosisService.diagnose` answers one model for one window and baseline (the API calls it,
-in any process); it reads only the database (the requests, the engine scrapes the leader
-stored, and every process's fresh live snapshot of its requests in flight), so every worker
-and replica answers the same question the same. `run` is the schedule, run by the leading
-process only (app/store/leader.py): every `diagnosis_interval_s` it judges every active model
+`DiagnosisService.diagnose` answers one model for one window and baseline (the API calls it, in any
+process); it reads only the database (the requests, the engine scrapes the leader stored, and every
+process's fresh live snapshot of its requests in flight), so every worker and replica answers the
+same question the same. `run` is the schedule, run by the leading process only
+(app/store/leader.py): every `diagnosis_interval_s` it judges the active models (`_to_judge`: at
+most `max_model_labels`, only names the upstream served; a model gone quiet loses its gauges)
 (`_round`: the recent window when it holds enough requests; the frozen healthy reference as
 baseline while an incident is held or pending; hysteresis, app/diagnosis/hold.py), sets
-`phasewatch_diagnosis_verdict` / `_confidence` to the verdict it holds, and stores each change
-of it with its evidence; when it stops (the process no longer leads) it withdraws its gauges. Any
-fault (database, engine, evaluation) is logged and counted and the schedule goes on; nothing
-here touches the relay.
+`phasewatch_diagnosis_verdict` / `_confidence` to the verdict it holds, and stores each change of
+it with its evidence; when it stops (the process no longer leads) it withdraws its gauges. Any
+fault (database, engine, evaluation) is logged and counted and the schedule goes on; nothing here
+touches the relay.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class DiagnosisService:
         self.rules = Rules(min_samples=settings.diagnosis_min_samples,
                            slo_ttft_s=settings.slo_ttft_s, slo_itl_s=settings.slo_itl_s)
         self._stored: dict[str, str] | None = None  # last stored verdict per model
-        self._judged: list[str] = []  # models the schedule has exported
+        self._exported: list[str] = []  # models whose verdict the gauges hold
         self._held: dict[str, Held] = {}  # the schedule's state per model (app/diagnosis/hold)
         self.hold_rules = HoldRules(settings.diagnosis_hold_rounds,
                                     settings.diagnosis_switch_confidence,
@@ -216,7 +217,7 @@ class DiagnosisService:
         """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled. Each run
         starts afresh (another process may have led, and stored changes, in between) and
         withdraws the gauges when it ends, so only the process that runs it exports them."""
-        self._stored, self._judged, self._held = None, [], {}
+        self._stored, self._exported, self._held = None, [], {}
         try:
             while True:
                 try:
@@ -232,16 +233,17 @@ class DiagnosisService:
                 self.metrics.withdraw()
 
     async def evaluate_all(self, now: datetime | None = None) -> dict[str, str]:
-        """One round: every active model (and every model exported before) with the default
-        window and baseline. Returns model -> verdict for the models judged."""
+        """One round over the models to judge (`_to_judge`) with the default window and
+        baseline; the gauges of models no longer judged are removed. Returns model -> verdict
+        for the models judged."""
         now = now or datetime.now(UTC)
-        window = timedelta(seconds=self.settings.diagnosis_window_s)
-        baseline = PreviousSpan(self.settings.diagnosis_baseline_s)
-        models = await self.models(now, window, baseline)
-        for model in self._judged:
+        models = await self._to_judge(now)
+        for model in self._exported:
             if model not in models:
-                models.append(model)
-        models = models[: self.settings.max_model_labels]
+                self._held.pop(model, None)
+                if self.metrics is not None:
+                    self.metrics.remove(model)
+        self._exported = models
         if self._stored is None:
             async with self.sessionmaker() as session:
                 self._stored = await latest_verdicts(session)
@@ -260,14 +262,27 @@ class DiagnosisService:
                 continue
             verdict, confidence = report["verdict"], report["confidence"]
             judged[model] = verdict
-            if model not in self._judged and len(self._judged) < self.settings.max_model_labels:
-                self._judged.append(model)
             if self.metrics is not None:
                 self.metrics.evaluations.inc()
                 self.metrics.set(model, Verdict(verdict), confidence)
             if self._stored.get(model) != verdict:
                 await self._store_change(model, now, report)
         return judged
+
+    async def _to_judge(self, now: datetime) -> list[str]:
+        """At most `max_model_labels` models the upstream served within the window and the
+        baseline before it: those already exported first (so labels do not churn when more
+        models are active than the limit), then the busiest others. A model with no served
+        request in that span has gone quiet and drops out."""
+        limit = self.settings.max_model_labels
+        since = now - timedelta(seconds=self.settings.diagnosis_window_s
+                                + self.settings.diagnosis_baseline_s)
+        async with self.sessionmaker() as session:
+            kept = await active_models(session, since, now, limit, among=self._exported) \
+                if self._exported else []
+            busiest = await active_models(session, since, now, limit)
+        kept.sort(key=self._exported.index)
+        return (kept + [m for m in busiest if m not in kept])[:limit]
 
     async def _round(self, model: str, now: datetime) -> dict[str, Any]:
         """One model's round: the recent window if it holds enough requests, else the whole

@@ -9,7 +9,7 @@ from the count, not from the rows read.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -73,14 +73,20 @@ async def run_request_count(session: AsyncSession, run_id: str) -> int:
 
 
 async def active_models(
-    session: AsyncSession, since: datetime, until: datetime, limit: int
+    session: AsyncSession, since: datetime, until: datetime, limit: int,
+    among: Collection[str] | None = None,
 ) -> list[str]:
-    """Models with requests in [since, until), busiest first."""
+    """Models the upstream served in [since, until), busiest first: each has at least one
+    request it answered with a 2xx, so a name it rejected (404 for an unknown model) is never
+    one. `among`: only these names."""
     count = func.count().label("n")
+    where = [RequestRow.started_at >= since, RequestRow.started_at < until,
+             RequestRow.model.is_not(None),
+             RequestRow.http_status >= 200, RequestRow.http_status < 300]
+    if among is not None:
+        where.append(RequestRow.model.in_(list(among)))
     result = await session.execute(
-        select(RequestRow.model, count)
-        .where(RequestRow.started_at >= since, RequestRow.started_at < until,
-               RequestRow.model.is_not(None))
+        select(RequestRow.model, count).where(*where)
         .group_by(RequestRow.model).order_by(count.desc(), RequestRow.model).limit(limit)
     )
     return [model for model, _ in result if model]
