@@ -97,7 +97,7 @@ def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
         """`http`: uvicorn's protocol to serve with; default phasewatch's (as `serve` runs)."""
         registry = CollectorRegistry()
         # The admin API opened, as on a trusted network: tests of other things read records
-        # through it (tests/test_admin_access.py tests the closed default). /metrics rendered
+        # through it (tests/faults/test_admin_access.py tests the closed default). /metrics rendered
         # afresh for each scrape: tests read it right after acting (tests/proxy/test_metrics.py
         # tests the cache).
         overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from typing import Any
@@ -55,23 +54,6 @@ def test_custom_slo_edges_reach_the_exposition(make_proxy: Any, scripted_url: st
     assert 'le="0.35"' in text and 'le="0.0125"' in text
 
 
-def test_hostile_model_names_cannot_grow_the_series(make_proxy: Any, scripted_url: str) -> None:
-    proxy = make_proxy(scripted_url, max_model_labels=2)
-    for i in range(6):
-        # The scripted upstream serves any name; only the first two get their own label.
-        httpx.post(proxy.url + "/v1/completions",
-                   json={"model": f"model-{i}", "prompt": "x"}, headers=SCRIPT)
-    for i in range(6):
-        httpx.post(proxy.url + "/v1/completions", json={"model": f"bad-{i}", "prompt": "x"},
-                   headers={"x-script": '{"status": 404}'})
-    registry = proxy.registry
-    models = {s.labels["model"] for m in registry.collect() if m.name == "phasewatch_requests"
-              for s in m.samples}
-    assert models == {"model-0", "model-1", "other"}
-    assert proxy.sample("phasewatch_requests_total",
-                        {"model": "other", "endpoint": "completions", "outcome": "ok"}) == 4
-
-
 def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
     slow = {"x-script": orjson.dumps({"tokens": [[0.6, "a", 1]]}).decode()}
     threads = [threading.Thread(target=lambda: httpx.post(
@@ -79,8 +61,7 @@ def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
         headers=slow, timeout=10)) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
-    assert proxy.sample("phasewatch_requests_in_flight") == 3
+    wait_for(lambda: proxy.sample("phasewatch_requests_in_flight") == 3, says="3 in flight")
     for t in threads:
         t.join()
     deadline = time.monotonic() + 2  # the last byte can reach the client before `finally` runs
@@ -89,30 +70,3 @@ def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
     assert proxy.sample("phasewatch_requests_in_flight") == 0
     records = sorted(proxy.next_record().in_flight_at_arrival for _ in range(3))
     assert records == [0, 1, 2]
-
-
-class CountingCollector:
-    """Counts how often a scrape renders the registry."""
-
-    def __init__(self) -> None:
-        self.renders = 0
-
-    def collect(self) -> list[Any]:
-        self.renders += 1
-        return []
-
-
-def test_a_scrape_storm_costs_one_render_per_interval(make_proxy: Any, scripted_url: str) -> None:
-    proxy = make_proxy(scripted_url, metrics_cache_s=0.5)  # default 1 s
-    counter = CountingCollector()
-    proxy.registry.register(counter)
-
-    async def storm() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=10) as client:
-            return await asyncio.gather(*(client.get("/metrics") for _ in range(50)))
-
-    answers = asyncio.run(storm())
-    assert all(a.status_code == 200 for a in answers) and len({a.text for a in answers}) == 1
-    assert counter.renders == 1  # fifty scrapers, one render
-    wait_for(lambda: httpx.get(proxy.url + "/metrics").status_code == 200
-             and counter.renders == 2, says="a render once the interval is over")

@@ -1,6 +1,6 @@
 """The article's first experiment, `phasewatch bench prompt`, against a real vLLM through
-phasewatch: exact prompt lengths from vLLM's /tokenize, TTFT rising with prompt length while ITL
-stays nearly flat, and the proxy's own figures joined to the stored run.
+phasewatch: exact prompt lengths from vLLM's /tokenize, TTFT rising with prompt length while the
+time per output token stays nearly flat, and the proxy's own figures joined to the stored run.
 """
 
 from __future__ import annotations
@@ -42,10 +42,15 @@ def test_prompt_sweep_shows_prefill_in_ttft_not_in_itl(
 
     ttft = [p["ttft_p50_s"] for p in points]
     itl = [p["itl_p50_s"] for p in points]
-    printed = " ".join(f"{n}: TTFT {t * 1e3:.1f} ms ITL {i * 1e3:.2f} ms"
-                       for n, t, i in zip(PROMPTS, ttft, itl, strict=True))
-    # Prefill: TTFT grows with the prompt, and by much more than any change in ITL.
+    tpot = [p["extra"]["figures"]["tpot_p50_s"] for p in points]
+    printed = " ".join(f"{n}: TTFT {t * 1e3:.1f} ms ITL {i * 1e3:.2f} ms TPOT {d * 1e3:.2f} ms"
+                       for n, t, i, d in zip(PROMPTS, ttft, itl, tpot, strict=True))
+    # Prefill: TTFT grows with the prompt, and by much more than any change in decode.
     assert ttft[0] < ttft[1] < ttft[2], printed
     assert ttft[2] / ttft[0] > 5, printed
     # Decode: one token per step whatever the prompt; the 3,500-token context costs a little.
-    assert max(itl) / min(itl) < 2.0, printed
+    # Judged by TPOT, the mean time per output token: on a busy 2-core machine vLLM's front
+    # end can deliver a short request's events in bursts, which collapses the median chunk
+    # gap (seen: 0.03 ms) without changing what each decode step costs.
+    assert max(tpot) / min(tpot) < 2.0, printed
+    assert ttft[2] / ttft[0] > 2 * max(tpot) / min(tpot), printed

@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import Proxy
 from tests.proxy.test_relay_timing import assert_ttft, proxy_upstream, stream, upstream_log
+from tests.support.served import wait_for
 from tests.support.servers import free_port
 
 
@@ -138,8 +139,8 @@ async def test_client_leaving_during_a_long_prefill_aborts_it(proxy: Proxy,
                               json={"model": "scripted", "prompt": "x"},
                               headers=headers({"tokens": [[3.0, "a", 1]]}, request_id),
                               timeout=httpx.Timeout(10, read=0.3))
-    await asyncio.sleep(0.3)
-    assert upstream_log(scripted_url, request_id)["disconnected"]
+    await asyncio.to_thread(wait_for, lambda: upstream_log(scripted_url, request_id)[
+        "disconnected"], 5.0, "the upstream request closed")
     record = await asyncio.to_thread(proxy.next_record)
     assert record.outcome == "cancelled" and not record.stream
 
