@@ -220,6 +220,7 @@ def create_app(
 
     app = FastAPI(title="phasewatch", version=__version__, lifespan=lifespan)
     app.state.registry = registry
+    app.state.settings = settings  # the API's bounds (app/api/budget.py, app/api/stats.py)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     for error in DATABASE_ERRORS:

@@ -11,6 +11,8 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.inspection import inspect
 
+from app.core.settings import Settings
+
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -18,6 +20,12 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 async def db_session(request: Request) -> AsyncIterator[AsyncSession]:
     async with request.app.state.sessionmaker() as session:
         yield session
+
+
+def settings(request: Request) -> Settings:
+    """The app's settings (the API's bounds among them)."""
+    config: Settings = request.app.state.settings
+    return config
 
 
 def parse_duration(text: str) -> timedelta:

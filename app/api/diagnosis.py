@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from app.api.budget import BudgetedRoute
 from app.api.deps import db_session, parse_duration, row_dict, utc
 from app.api.errors import error_response
 from app.diagnosis.service import (
@@ -22,7 +23,7 @@ from app.diagnosis.service import (
 )
 from app.store.diagnoses import list_diagnoses
 
-router = APIRouter()
+router = APIRouter(route_class=BudgetedRoute)
 
 BASELINE_FORMS = ("a duration right before the window (1h), an ISO 8601 range "
                   "(2026-01-01T10:00:00Z/2026-01-01T11:00:00Z), or run:<run id>")

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+import orjson
+from fastapi import APIRouter, Depends, Query, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.api.deps import db_session, row_dict, utc
+from app.api.budget import BudgetedRoute
+from app.api.deps import db_session, utc
 from app.core.records import Outcome
 from app.store.queries import RequestFilter, list_requests
 
-router = APIRouter()
+router = APIRouter(route_class=BudgetedRoute)
 
 
 @router.get("/api/requests")
@@ -27,9 +29,12 @@ async def requests(
     request_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     cursor: Annotated[int | None, Query(ge=1)] = None,
-) -> dict[str, Any]:
+) -> Response:
     f = RequestFilter(since=utc(since), until=utc(until), model=model, endpoint=endpoint,
                       outcome=outcome.value if outcome else None, run_id=run_id,
                       request_id=request_id)
     rows, next_cursor = await list_requests(session, f, limit, cursor)
-    return {"items": [row_dict(row) for row in rows], "next_cursor": next_cursor}
+    # Encoded in one C call: FastAPI's validation and encoding of a page of 1,000 records holds
+    # the relay's loop about 10 ms. Times as FastAPI writes them: ISO 8601, UTC as "Z".
+    body = orjson.dumps({"items": rows, "next_cursor": next_cursor}, option=orjson.OPT_UTC_Z)
+    return Response(body, media_type="application/json")

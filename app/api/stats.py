@@ -1,4 +1,8 @@
-"""`GET /api/stats`: windowed aggregates of the stored requests, per model or endpoint."""
+"""`GET /api/stats`: windowed aggregates of the stored requests, per model or endpoint.
+
+Windows wider than `PHASEWATCH_API_MAX_WINDOW_S` are refused (422); how a wide window stays
+cheap for the relay that shares this loop: app/store/window_stats.py.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +13,18 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.api.deps import db_session, parse_duration, utc
-from app.store.queries import GroupBy, window_stats
+from app.api.budget import BudgetedRoute
+from app.api.deps import db_session, parse_duration, settings, utc
+from app.core.settings import Settings
+from app.store.window_stats import GroupBy, window_stats
 
-router = APIRouter()
+router = APIRouter(route_class=BudgetedRoute)
 
 
 @router.get("/api/stats")
 async def stats(
     session: Annotated[AsyncSession, Depends(db_session)],
+    config: Annotated[Settings, Depends(settings)],
     window: str = "5m",
     by: GroupBy = "model",
     until: datetime | None = None,
@@ -28,12 +35,21 @@ async def stats(
         span = parse_duration(window)
     except ValueError as exc:
         raise HTTPException(422, f"invalid parameters: window: {exc} (got {window!r})") from None
+    widest = config.api_max_window_s
+    if span.total_seconds() > widest:
+        raise HTTPException(422, f"invalid parameters: window: at most {widest:g} s "
+                            f"(PHASEWATCH_API_MAX_WINDOW_S) (got {window!r})")
     end = utc(until) or datetime.now(UTC)
-    groups = await window_stats(session, end, span, by, model=model, run_id=run_id)
+    found = await window_stats(session, end, span, by, config.api_max_rows, model=model,
+                               run_id=run_id)
     return {
         "window_s": span.total_seconds(),
         "since": end - span,
         "until": end,
         "by": by,
-        "groups": [asdict(group) for group in groups],
+        # Percentiles come from `rows` of the window's `of` requests: all of them, or a
+        # uniform sample when there are more than PHASEWATCH_API_MAX_ROWS; totals are exact.
+        "sample": {"rows": found.sampled, "of": found.requests},
+        "groups_left_off": found.groups_left_off,
+        "groups": [asdict(group) for group in found.groups],
     }

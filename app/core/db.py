@@ -5,6 +5,8 @@ Built by the app's lifespan or the CLI, never at import time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ def create_engine(url: str) -> AsyncEngine:
         Path(database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_async_engine(url, connect_args={"timeout": 30})
     event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    event.listen(engine.sync_engine, "invalidate", _interrupt_sqlite)
     return engine
 
 
@@ -42,6 +45,27 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+def _interrupt_sqlite(dbapi_connection: Any, _record: Any, _exception: Any) -> None:
+    # A connection is invalidated when the task awaiting its query is cancelled (an API call
+    # past its time budget). Its query would run on in aiosqlite's thread, and closing the
+    # connection would wait for it: stop the query (sqlite3's interrupt() may be called from
+    # any thread; aiosqlite's coroutine calls it at once, without going through that thread).
+    # Postgres needs nothing: asyncpg cancels the server's query itself.
+    driver = dbapi_connection.driver_connection
+    if driver is not None:
+        task = asyncio.get_running_loop().create_task(_interrupt(driver))
+        _interrupting.add(task)  # a task the loop holds only weakly
+        task.add_done_callback(_interrupting.discard)
+
+
+async def _interrupt(driver: Any) -> None:
+    with contextlib.suppress(ValueError):  # closed already: nothing left to stop
+        await driver.interrupt()
+
+
+_interrupting: set[asyncio.Task[None]] = set()
 
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

@@ -88,6 +88,14 @@ class Settings(BaseSettings):
     max_model_labels: int = Field(default=32, ge=1)
     # Finished-request records waiting to be stored; past this, records are dropped and counted.
     record_queue_size: int = Field(default=10_000, ge=1)
+    # Bounds of the admin API, which shares the relay's event loop (README, "Read API"):
+    # `/api/stats` answers windows up to `api_max_window_s` and reads at most `api_max_rows`
+    # rows for its percentiles (a uniform sample of a window that holds more); any `/api` call
+    # still running after `api_timeout_s` is stopped, its database query with it, and
+    # answered 503.
+    api_max_window_s: float = Field(default=7 * 86400.0, gt=0)
+    api_max_rows: int = Field(default=20_000, ge=100)
+    api_timeout_s: float = Field(default=10.0, gt=0)
 
     # Where records and runs are stored: an SQLite file by default (created on first start),
     # or `postgresql+asyncpg://user@host:5432/db`.

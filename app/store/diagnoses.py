@@ -18,7 +18,7 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from app.store.models import Diagnosis, RequestRow
-from app.store.queries import page
+from app.store.queries import PARTITION_ROWS, page
 
 # What one observation needs, in this order (see app/diagnosis/observations.py).
 OBSERVATION_COLUMNS = (
@@ -61,7 +61,11 @@ async def read_observations(
     query = select(*OBSERVATION_COLUMNS).where(*where).order_by(RequestRow.started_at)
     if total > limit:
         query = query.where(RequestRow.id % math.ceil(total / limit) == 0)
-    rows = [tuple(row) for row in await session.execute(query)]
+    # In partitions: the loop relays between two of them (3,000 rows at once held it ~20 ms).
+    rows: list[tuple[Any, ...]] = []
+    result = await session.stream(query.execution_options(yield_per=PARTITION_ROWS))
+    async for part in result.partitions():
+        rows.extend(tuple(row) for row in part)
     return RequestSpan(rows, int(total), first, last)
 
 
