@@ -1,31 +1,47 @@
-# phasewatch's image: the package of pyproject.toml, installed the way `make test` installs it
-# (`pip install -e .` from this source tree: app/store/migrate.py finds migrations/ beside
-# app/), started as `phasewatch serve`. The same image runs the simulator (`phasewatch sim`) for
-# machines without a GPU (docker-compose.yml, profile `sim`).
-FROM python:3.11-slim
-
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-
-WORKDIR /srv/phasewatch
-COPY pyproject.toml README.md alembic.ini ./
+# phasewatch's production image, in two stages:
+#   build:   the wheel, from this source tree (what `pip wheel .` makes, and the tests install);
+#   runtime: the locked dependencies (requirements.lock, every version and hash pinned) and that
+#            wheel, installed by deploy/install-runtime.sh (the tests run the same script) into
+#            /opt/phasewatch, run as a non-root user. No source tree, no compiler, no editable
+#            install: migrations ship inside the package.
+# The same image runs the simulator (`phasewatch sim`) for machines without a GPU
+# (docker-compose.yml, profile `sim`).
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
 COPY app ./app
 COPY migrations ./migrations
-RUN pip install -e . \
+RUN pip install --no-cache-dir build==1.6.1 \
+    && python -m build --wheel --outdir /dist
+
+FROM python:3.11-slim AS runtime
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+COPY requirements.lock deploy/install-runtime.sh /tmp/install/
+COPY --from=build /dist/ /tmp/install/dist/
+RUN sh /tmp/install/install-runtime.sh /opt/phasewatch /tmp/install/requirements.lock \
+        "$(ls /tmp/install/dist/phasewatch-*.whl)" \
+    && rm -rf /tmp/install \
     && useradd --system --uid 10001 --home-dir /var/lib/phasewatch --create-home phasewatch
 
-USER phasewatch
+USER 10001
+WORKDIR /var/lib/phasewatch
 # Listen on every interface inside the container. Without PHASEWATCH_DATABASE_URL records go to
 # an SQLite file in the user's home (mount a volume there to keep it); docker-compose.yml and
 # the Kubernetes manifests point it at Postgres, which replicas share.
-ENV PHASEWATCH_HOST=0.0.0.0 \
+ENV PATH=/opt/phasewatch/bin:$PATH \
+    PHASEWATCH_HOST=0.0.0.0 \
     PHASEWATCH_PORT=8080 \
     PHASEWATCH_DATABASE_URL=sqlite+aiosqlite:////var/lib/phasewatch/phasewatch.db
 EXPOSE 8080
+# Open files: `serve` raises its soft limit to the hard one the runtime gives it (two
+# descriptors per stream) and logs the streams that allows. An image cannot raise the hard
+# limit itself: run it with `--ulimit nofile=65536:65536` (docker-compose.yml sets it; on
+# Kubernetes the container runtime's default, usually 1048576, applies).
+# Healthy means ready: serving, not draining, records being stored (GET /api/ready).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/api/health', timeout=2)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/api/ready', timeout=2)"]
 
 ENTRYPOINT ["phasewatch"]
 CMD ["serve"]

@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo up test lint typecheck bench-overhead clean vllm-env
+.PHONY: install demo up test lint typecheck bench-overhead clean vllm-env lock
 
 install: $(VENV)/.installed
 
@@ -22,7 +22,9 @@ up: install
 lint: install
 	$(BIN)/ruff check app tests benchmarks grafana
 
+# mypy reads modules by path: build/typecheck/phasewatch is app/ under its import name.
 typecheck: install
+	mkdir -p build/typecheck && ln -sfn ../../app build/typecheck/phasewatch
 	$(BIN)/mypy
 	$(BIN)/mypy grafana/dashboards.py
 
@@ -38,8 +40,16 @@ vllm-env:
 bench-overhead: install
 	$(BIN)/python benchmarks/proxy_overhead.py
 
+# requirements.lock: every version and hash the image installs (the core and the postgres
+# extra), resolved by uv from pyproject.toml; tests/test_packaging.py fails when they disagree.
+lock: install
+	$(BIN)/pip install -q uv
+	$(BIN)/uv pip compile pyproject.toml --extra postgres --python-version 3.11 \
+		--python-platform linux --generate-hashes --custom-compile-command "make lock" \
+		-o requirements.lock
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
 
 # Operations: Prometheus rules from deploy/slo.yaml, Grafana dashboards from grafana/dashboards.py.
 # Both outputs are committed; the tests fail when they are stale.

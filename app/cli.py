@@ -9,13 +9,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from app.bench.cli import add_parser as add_bench_parser
-from app.core.settings import SettingsError, load_settings
-from app.sim.cli import add_parser as add_sim_parser
-from app.slo.cli import add_parser as add_slo_parser
+from phasewatch import __version__
+from phasewatch.bench.cli import add_parser as add_bench_parser
+from phasewatch.core.settings import SettingsError, load_settings
+from phasewatch.sim.cli import add_parser as add_sim_parser
+from phasewatch.slo.cli import add_parser as add_slo_parser
 
 if TYPE_CHECKING:
-    from app.demo import StackOptions
+    from phasewatch.demo import StackOptions
 
 # The demo's simulator runs this many times slower than real time: at 64 streams, three
 # processes on two cores would otherwise add Python's per-chunk costs to the model's ITL.
@@ -25,9 +26,11 @@ DEMO_TIME_SCALE = 2.0
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.proxy.client_leg import PhasewatchHttpProtocol
-    from app.serve import prepare_serving
-    from app.store.migrate import SchemaError
+    from phasewatch.core.db import MissingDriver, create_engine
+    from phasewatch.core.event_loop import loop_name
+    from phasewatch.proxy.client_leg import PhasewatchHttpProtocol
+    from phasewatch.serve import prepare_serving
+    from phasewatch.store.migrate import SchemaError
 
     overrides = {
         key: value
@@ -48,18 +51,24 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # The workers' environment, the open-file limit, the schema once.
         connections = prepare_serving(settings, overrides)
-    except SchemaError as exc:
+        if settings.workers == 1:
+            create_engine(settings.database_url)  # a missing driver is said here, not in a worker
+    except (SchemaError, MissingDriver) as exc:
         print(f"phasewatch: {exc}", file=sys.stderr)
         return 2
+    loop = loop_name()
+    logging.getLogger("phasewatch").info(
+        "serving on %s:%d: %s event loop%s, httptools HTTP parser", settings.host, settings.port,
+        loop, "" if loop == "uvloop" else " (uvloop is not installed)")
     uvicorn.run(
         # Each worker builds its own app from the environment; with --workers N, uvicorn's
         # supervisor runs N processes on the one socket (and restarts any that dies).
-        "app.main:serve_app", factory=True, workers=settings.workers,
+        "phasewatch.main:serve_app", factory=True, workers=settings.workers,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        loop="uvloop",
+        loop=loop,
         # uvicorn's httptools protocol, plus the relay's arrival stamp and direct body writes.
         http=PhasewatchHttpProtocol,
         # The upstream's own Date and Server headers are relayed; do not add a second pair.
@@ -81,8 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _db(args: argparse.Namespace) -> int:
     import asyncio
 
-    from app.core.db import create_engine
-    from app.store.migrate import schema_state, upgrade
+    from phasewatch.core.db import MissingDriver, create_engine
+    from phasewatch.store.migrate import schema_state, upgrade
 
     try:
         settings = load_settings()
@@ -90,9 +99,13 @@ def _db(args: argparse.Namespace) -> int:
         print(f"phasewatch: invalid configuration: {exc}", file=sys.stderr)
         return 2
     url = settings.database_url
+    try:
+        engine = create_engine(url)
+    except MissingDriver as exc:
+        print(f"phasewatch: {exc}", file=sys.stderr)
+        return 2
     if args.action == "upgrade":
         upgrade(url, args.revision)
-    engine = create_engine(url)
 
     async def state() -> str:
         try:
@@ -107,7 +120,7 @@ def _db(args: argparse.Namespace) -> int:
 
 
 def _stack_options(args: argparse.Namespace) -> StackOptions:
-    from app.demo import StackOptions
+    from phasewatch.demo import StackOptions
 
     return StackOptions(
         gpu=args.gpu, model=args.model, time_scale=args.time_scale,
@@ -116,14 +129,17 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from app.bench.article import DemoOptions
-    from app.demo import run_demo
+    from phasewatch.bench.article import DemoOptions
+    from phasewatch.demo import run_demo
 
-    return run_demo(_stack_options(args), DemoOptions())
+    options = DemoOptions()
+    if args.quick:
+        options = DemoOptions(prompt_sweep=(64, 1024), concurrency_sweep=(1, 8), max_tokens=32)
+    return run_demo(_stack_options(args), options)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from app.demo import run_up
+    from phasewatch.demo import run_up
 
     return run_up(_stack_options(args))
 
@@ -136,6 +152,9 @@ def _add_stack_parsers(commands: argparse._SubParsersAction) -> None:  # type: i
     up = commands.add_parser(
         "up", help="serve the simulator and the proxy in front of it until Ctrl-C"
     )
+    demo.add_argument("--quick", action="store_true",
+                      help="two points per experiment and 32-token outputs: a smoke run of a "
+                      "few seconds (default: the full sweeps)")
     stacks = ((demo, DEMO_TIME_SCALE, 0, 0), (up, 1.0, 8000, 8080))
     for parser, scale, sim_port, proxy_port in stacks:
         parser.add_argument("--gpu", default="t4", help="simulator GPU preset (default t4)")
@@ -156,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="phasewatch",
         description="An OpenAI-compatible proxy that times prefill (TTFT) and decode (ITL).",
     )
+    parser.add_argument("--version", action="version", version=f"phasewatch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve", help="run the proxy (settings from PHASEWATCH_* environment variables)"

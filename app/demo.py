@@ -3,7 +3,7 @@
 Both start two child processes (the simulator, then the proxy in front of it), each with its
 own interpreter and event loop so neither's Python overhead lands in the other's timings.
 `up` prints the URLs and serves until Ctrl-C; `demo` runs the article's two experiments
-through the proxy (`app.bench.article`), prints them next to the article's tables and
+through the proxy (`phasewatch.bench.article`), prints them next to the article's tables and
 phasewatch's own stored view, and stops both servers. Settings for the proxy come from the
 usual `PHASEWATCH_*` variables (SQLite in ./phasewatch.db unless told otherwise).
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from app.bench.article import DemoOptions, run_article
-from app.core.settings import SettingsError, load_settings
+from phasewatch.bench.article import DemoOptions, run_article
+from phasewatch.core.settings import SettingsError, load_settings
 
 
 class StackError(RuntimeError):
@@ -118,7 +118,7 @@ def running_stack(options: StackOptions) -> Iterator[Stack]:
     with ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="phasewatch-")))
         sim_args = [
-            "-m", "app.sim", "--port", str(sim_port), "--gpu", options.gpu,
+            "-m", "phasewatch.sim", "--port", str(sim_port), "--gpu", options.gpu,
             "--model", options.model, "--time-scale", f"{options.time_scale:g}",
             *options.sim_args,
         ]
@@ -134,7 +134,7 @@ def running_stack(options: StackOptions) -> Iterator[Stack]:
         if options.quiet:
             proxy_env["PHASEWATCH_LOG_LEVEL"] = "warning"
         proxy = stack.enter_context(_child(
-            ["-m", "app.cli", "serve", "--upstream", sim_url, "--port", str(proxy_port)],
+            ["-m", "phasewatch.cli", "serve", "--upstream", sim_url, "--port", str(proxy_port)],
             proxy_log, proxy_env,
         ))
         _wait_http(sim_url + "/health", sim, sim_log, timeout=60.0)

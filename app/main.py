@@ -32,12 +32,12 @@ from sqlalchemy.engine import make_url
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 
-from app import __version__
-from app.api import diagnosis as diagnosis_api
-from app.api import requests as requests_api
-from app.api import runs as runs_api
-from app.api import stats as stats_api
-from app.api.errors import (
+from phasewatch import __version__
+from phasewatch.api import diagnosis as diagnosis_api
+from phasewatch.api import requests as requests_api
+from phasewatch.api import runs as runs_api
+from phasewatch.api import stats as stats_api
+from phasewatch.api.errors import (
     DATABASE_ERRORS,
     database_error,
     error_response,
@@ -45,31 +45,31 @@ from app.api.errors import (
     reject_nul,
     validation_error,
 )
-from app.core.admin import AdminAccess, is_admin_path
-from app.core.db import create_engine, create_sessionmaker
-from app.core.exposition import Exposition
-from app.core.metrics import ProxyMetrics
-from app.core.records import RecordQueue
-from app.core.settings import Settings, load_settings
-from app.diagnosis.metrics import DiagnosisMetrics
-from app.diagnosis.service import DiagnosisService
-from app.engine.metrics import EngineScrapeMetrics
-from app.engine.scraper import EngineScraper
-from app.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
-from app.proxy.client_leg import SHUTDOWN_HOOK
-from app.proxy.context import ProxyContext
-from app.proxy.labels import ModelLabels
-from app.proxy.live import LiveGauges, LiveStreams
-from app.proxy.passthrough import pass_through
-from app.proxy.relay import ENDPOINTS, relay
-from app.proxy.shutdown import Shutdown, Stage
-from app.proxy.upstream import create_upstream_session
-from app.proxy.upstream_pool import UpstreamPool
-from app.store.leader import Duty, Leadership, LeadershipMetrics, leader_lock
-from app.store.live_publisher import LivePublisher
-from app.store.migrate import prepare_schema
-from app.store.retention import run_retention
-from app.store.writer import RecordWriter
+from phasewatch.core.admin import AdminAccess, is_admin_path
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.exposition import Exposition
+from phasewatch.core.metrics import ProxyMetrics
+from phasewatch.core.records import RecordQueue
+from phasewatch.core.settings import Settings, load_settings
+from phasewatch.diagnosis.metrics import DiagnosisMetrics
+from phasewatch.diagnosis.service import DiagnosisService
+from phasewatch.engine.metrics import EngineScrapeMetrics
+from phasewatch.engine.scraper import EngineScraper
+from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
+from phasewatch.proxy.client_leg import SHUTDOWN_HOOK
+from phasewatch.proxy.context import ProxyContext
+from phasewatch.proxy.labels import ModelLabels
+from phasewatch.proxy.live import LiveGauges, LiveStreams
+from phasewatch.proxy.passthrough import pass_through
+from phasewatch.proxy.relay import ENDPOINTS, relay
+from phasewatch.proxy.shutdown import Shutdown, Stage
+from phasewatch.proxy.upstream import create_upstream_session
+from phasewatch.proxy.upstream_pool import UpstreamPool
+from phasewatch.store.leader import Duty, Leadership, LeadershipMetrics, leader_lock
+from phasewatch.store.live_publisher import LivePublisher
+from phasewatch.store.migrate import prepare_schema
+from phasewatch.store.retention import run_retention
+from phasewatch.store.writer import RecordWriter
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What `phasewatch serve` sets up before uvicorn starts its workers.
 
-Each worker builds its own app from the environment (`app.main.serve_app`, uvicorn's factory,
+Each worker builds its own app from the environment (`phasewatch.main.serve_app`, uvicorn's factory,
 in a freshly spawned process), so the command's flags are put into the environment first, as
 the `PHASEWATCH_*` variables they stand for. With more than one worker (or
 PROMETHEUS_MULTIPROC_DIR set), the metrics directory is made ready before any worker starts,
@@ -25,10 +25,10 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from app.core.db import create_engine
-from app.core.exposition import prepare_metrics_dir
-from app.core.settings import ENV_PREFIX, Settings
-from app.store.migrate import prepare_schema
+from phasewatch.core.db import create_engine
+from phasewatch.core.exposition import prepare_metrics_dir
+from phasewatch.core.settings import ENV_PREFIX, Settings
+from phasewatch.store.migrate import prepare_schema
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def prepare_serving(settings: Settings, flags: Mapping[str, object]) -> int:
     """Make this process's environment the one its workers start in: `flags` (settings field
     -> value, from the command line) as variables, the open-file limit raised, and the metrics
     directory when needed. Returns the client connections each worker may hold. Raises
-    app.store.migrate.SchemaError (a sentence for a person) when the schema is not the code's
+    phasewatch.store.migrate.SchemaError (a sentence for a person) when the schema is not the code's
     and may not be upgraded."""
     os.environ.update({ENV_PREFIX + name.upper(): str(value) for name, value in flags.items()})
     open_files = raise_open_file_limit()

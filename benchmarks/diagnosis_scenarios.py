@@ -1,8 +1,8 @@
 """The diagnosis scenario suite: a known fault on the simulator, traffic through phasewatch, and
 the verdict phasewatch gives for it.
 
-Each scenario starts the simulator (`python -m app.sim`) with its own flags and the proxy
-(`python -m app.cli serve`, its own SQLite file, engine metrics scraped every 0.5 s, the
+Each scenario starts the simulator (`python -m phasewatch.sim`) with its own flags and the proxy
+(`python -m phasewatch.cli serve`, its own SQLite file, engine metrics scraped every 0.5 s, the
 diagnosis schedule off) in front of it, each a subprocess on a free loopback port. It drives a
 baseline phase of traffic and then a window phase through the proxy, waits until the proxy has
 stored every request, and asks `GET /api/diagnosis` with the two phases as explicit time ranges
@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from app.diagnosis.verdicts import Verdict  # noqa: E402
+from phasewatch.diagnosis.verdicts import Verdict  # noqa: E402
 
 MODEL = "sim"
 
@@ -195,7 +195,7 @@ def stacks(scenarios: Sequence[Staged], proxy_env: dict[str, str] | None = None
     def sim(s: Staged) -> tuple[str, subprocess.Popen[bytes]]:
         port = free_port()
         return f"http://127.0.0.1:{port}", _start(
-            ["-m", "app.sim", "--port", str(port), "--time-scale", str(s.time_scale),
+            ["-m", "phasewatch.sim", "--port", str(port), "--time-scale", str(s.time_scale),
              "--served-model-name", MODEL, "--log-level", "warning", *s.flags],
             workdir / f"{s.name}-sim.log")
 
@@ -213,7 +213,7 @@ def stacks(scenarios: Sequence[Staged], proxy_env: dict[str, str] | None = None
             **(proxy_env or {}),
         }
         return f"http://127.0.0.1:{port}", _start(
-            ["-m", "app.cli", "serve", "--upstream", upstream, "--port", str(port)],
+            ["-m", "phasewatch.cli", "serve", "--upstream", upstream, "--port", str(port)],
             workdir / f"{s.name}-proxy.log", env)
 
     try:

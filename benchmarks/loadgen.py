@@ -38,7 +38,7 @@ import orjson
 import uvloop
 
 # The bench's own Poisson schedule: one definition for `phasewatch bench rate` and this script.
-from app.bench.load import poisson_schedule
+from phasewatch.bench.load import poisson_schedule
 
 _HEADERS = {"Content-Type": "application/json"}
 

@@ -1,11 +1,11 @@
 """Load generator capacity: can `phasewatch bench`'s client hold 512 streams and stay honest?
 
-The client measured is the bench's own code path, in one process on uvloop as `phasewatch
-bench` runs it: `app.bench.load.open_loop` sending `app.bench.client.stream_request`s (aiohttp,
-SSE decoding, per-event classification, one clock read per read). The server is
+The client measured is the bench's own code path, in one process on uvloop as `phasewatch bench`
+runs it: `phasewatch.bench.load.open_loop` sending `phasewatch.bench.client.stream_request`s
+(aiohttp, SSE decoding, per-event classification, one clock read per read). The server is
 `fast_upstream.py` (a raw asyncio protocol on uvloop, one process), which writes one chunk per
-stream every `--interval-ms` and stamps each chunk's `id` with the `time.monotonic_ns()` read
-just before its write.
+stream every `--interval-ms` and stamps each chunk's `id` with the `time.monotonic_ns()` read just
+before its write.
 
 Per chunk, lag = the client's read time (`time.monotonic_ns()`, taken once per read, the same
 stamp the bench's TTFT and ITL use) - the upstream's stamp. CLOCK_MONOTONIC is one clock for
@@ -59,9 +59,9 @@ from proxy_overhead import (
     system_busy_ticks,
 )
 
-from app.bench.load import Sender, open_loop
-from app.bench.stats import concurrency_max
-from app.bench.workload import client_session, completion_body
+from phasewatch.bench.load import Sender, open_loop
+from phasewatch.bench.stats import concurrency_max
+from phasewatch.bench.workload import client_session, completion_body
 
 _ID = b'"id":"'
 

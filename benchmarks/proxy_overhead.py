@@ -1,7 +1,7 @@
 """Proxy overhead benchmark: what phasewatch adds to a stream, against direct and nginx.
 
-It starts three processes on loopback: a fast fake vLLM (`fast_upstream.py`, OpenAI-format SSE,
-one chunk every `--interval-ms`), phasewatch exactly as users run it (`python -m app.cli serve`,
+It starts three processes on loopback: a fast fake vLLM (`fast_upstream.py`, OpenAI-format SSE, one
+chunk every `--interval-ms`), phasewatch exactly as users run it (`python -m phasewatch.cli serve`,
 uvloop + httptools, `PHASEWATCH_LOG_LEVEL=warning`) and nginx (`proxy_buffering off`, HTTP/1.1
 upstream keepalive, one process; skipped with a note if nginx is not installed). Then, for each
 concurrency level and repeat, it runs the same open-loop Poisson schedule (`loadgen.py`, rate =
@@ -236,7 +236,8 @@ def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1) -> Server:
     env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
            "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / (name + '.db')}"}
     server = spawn(name, [
-        sys.executable, "-m", "app.cli", "serve", "--upstream", upstream.url, "--port", str(port),
+        sys.executable, "-m", "phasewatch.cli", "serve", "--upstream", upstream.url,
+        "--port", str(port),
         "--workers", str(workers),
     ], tmp, port, env)
     wait_ready(server, "/api/health")

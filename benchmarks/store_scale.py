@@ -47,13 +47,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from app.core.db import create_engine  # noqa: E402
-from app.core.records import Outcome, RequestRecord  # noqa: E402
-from app.core.settings import load_settings  # noqa: E402
-from app.main import create_app  # noqa: E402
-from app.store.migrate import upgrade  # noqa: E402
-from app.store.retention import retention_pass  # noqa: E402
 from benchmarks.proxy_overhead import free_port, percentile_ms  # noqa: E402
+from phasewatch.core.db import create_engine  # noqa: E402
+from phasewatch.core.records import Outcome, RequestRecord  # noqa: E402
+from phasewatch.core.settings import load_settings  # noqa: E402
+from phasewatch.main import create_app  # noqa: E402
+from phasewatch.store.migrate import upgrade  # noqa: E402
+from phasewatch.store.retention import retention_pass  # noqa: E402
 
 ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
 MODELS = ("qwen-0.5b", "llama-8b", "mistral-7b")

@@ -2,7 +2,7 @@
 
 It starts two processes on loopback: the fast fake vLLM (`fast_upstream.py`, first chunk after
 `--first-delay-ms`, then one every `--interval-ms`) and phasewatch exactly as users run it
-(`python -m app.cli serve`, through `proxy_overhead.start_phasewatch`). In this process, on
+(`python -m phasewatch.cli serve`, through `proxy_overhead.start_phasewatch`). In this process, on
 uvloop with one aiohttp session, `--concurrency` clients run a CLOSED loop: each sends a
 streamed request and, as soon as that stream has ended, the next one, for `--duration`
 seconds. Their first requests are spread evenly over one stream's length, so the clients stay

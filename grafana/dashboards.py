@@ -5,7 +5,7 @@
 
 (`make dashboards` runs the first; the tests run the second.) The SDK is the optional extra
 `dashboards` (also in `test`). The SLO thresholds drawn on the latency panels and the recorded
-burn-rate series come from deploy/slo.yaml through `app.slo`, so dashboard and alerts cannot
+burn-rate series come from deploy/slo.yaml through `phasewatch.slo`, so dashboard and alerts cannot
 disagree. Edit this file, never the JSON.
 
 Query rules: histograms are read through rate()/increase() of their buckets, never raw
@@ -39,9 +39,9 @@ from grafana_foundation_sdk.models import prometheus as prometheus_models
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.slo.files import load_spec  # noqa: E402
-from app.slo.rules import BURN_WINDOWS, VERDICTS, burn_record, errors_record  # noqa: E402
-from app.slo.spec import HISTOGRAMS, SloName, SloSpec  # noqa: E402
+from phasewatch.slo.files import load_spec  # noqa: E402
+from phasewatch.slo.rules import BURN_WINDOWS, VERDICTS, burn_record, errors_record  # noqa: E402
+from phasewatch.slo.spec import HISTOGRAMS, SloName, SloSpec  # noqa: E402
 
 OUT = ROOT / "grafana" / "dashboards" / "phasewatch.json"
 SLO_FILE = ROOT / "deploy" / "slo.yaml"

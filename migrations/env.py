@@ -13,8 +13,8 @@ from alembic import context
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from app.core.db import create_engine
-from app.store.models import Base
+from phasewatch.core.db import create_engine
+from phasewatch.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.core.settings import load_settings
-from app.main import create_app
+from phasewatch.core.settings import load_settings
+from phasewatch.main import create_app
 from tests.support.databases import PrivatePostgres, postgres_database
 from tests.support.servers import ThreadServer, free_port, subprocess_server
 

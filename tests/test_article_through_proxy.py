@@ -1,7 +1,7 @@
 """The article's asymmetry table, shown end to end: simulator -> phasewatch -> streaming client.
 
 Each simulator runs in a subprocess (its own GIL and event loop); the proxy runs under uvicorn
-in a thread of this process; the client is `app.bench`'s aiohttp streaming client. Every
+in a thread of this process; the client is `phasewatch.bench`'s aiohttp streaming client. Every
 shape is asserted twice: on the client's own measurements, and on what phasewatch stored for
 the same requests (matched by x-request-id) and counted in its metrics registry.
 
@@ -24,10 +24,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from app.bench.client import RequestResult, stream_request
-from app.bench.proxy_view import stored_records
-from app.bench.stats import StepStats, summarize
-from app.bench.workload import (
+from phasewatch.bench.client import RequestResult, stream_request
+from phasewatch.bench.proxy_view import stored_records
+from phasewatch.bench.stats import StepStats, summarize
+from phasewatch.bench.workload import (
     RUN_ID_HEADER,
     burst,
     client_session,
@@ -62,7 +62,8 @@ def sims() -> Iterator[dict[str, tuple[str, float]]]:
         for name, (scale, flags) in SIMS.items():
             port = free_port()
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "app.sim", "--port", str(port), "--time-scale", str(scale),
+                [sys.executable, "-m", "phasewatch.sim", "--port", str(port),
+                 "--time-scale", str(scale),
                  "--log-level", "warning", *flags], stdout=subprocess.DEVNULL,
             ))
             urls[name] = (f"http://127.0.0.1:{port}", scale)

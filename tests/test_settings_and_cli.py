@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
-from app.core.settings import SettingsError, load_settings
-from tests.support.servers import free_port, subprocess_server
+from phasewatch.core.settings import SettingsError, load_settings
+from tests.support.servers import free_port, subprocess_server, wait_http
 
 
 def test_defaults_need_no_configuration() -> None:
@@ -44,7 +45,7 @@ def test_bad_values_name_the_variable(monkeypatch: pytest.MonkeyPatch, variable:
 
 def test_serve_refuses_bad_configuration_with_a_sentence() -> None:
     env = {**os.environ, "PHASEWATCH_UPSTREAM_URL": "nope"}
-    result = subprocess.run([sys.executable, "-m", "app.cli", "serve"], env=env,
+    result = subprocess.run([sys.executable, "-m", "phasewatch.cli", "serve"], env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "invalid configuration: PHASEWATCH_UPSTREAM_URL='nope' is invalid" in result.stderr
@@ -52,10 +53,34 @@ def test_serve_refuses_bad_configuration_with_a_sentence() -> None:
 
 def test_serve_runs_the_proxy(scripted_url: str) -> None:
     port = free_port()
-    args = ["-m", "app.cli", "serve", "--upstream", scripted_url, "--port", str(port)]
+    args = ["-m", "phasewatch.cli", "serve", "--upstream", scripted_url, "--port", str(port)]
     with subprocess_server(args, f"http://127.0.0.1:{port}/api/health",
                            env={"PHASEWATCH_LOG_LEVEL": "warning"}):
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "scripted"
         assert len(models.headers.get_list("date")) <= 1
         assert "phasewatch_requests_in_flight" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+
+
+def test_serve_runs_where_uvloop_is_not_installed(scripted_url: str, tmp_path: Path) -> None:
+    """Without uvloop (Windows, PyPy) `serve` runs on asyncio's own loop and says so."""
+    port = free_port()
+    launcher = ("import sys; sys.modules['uvloop'] = None; from phasewatch.cli import main; "
+                f"sys.exit(main(['serve', '--upstream', {scripted_url!r}, '--port', '{port}']))")
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "info",
+           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'pw.db'}"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", launcher], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/api/health", proc=proc)
+            script = {"x-script": '{"tokens": [[0.01, "a", 1], [0.02, "b", 1]]}'}
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers=script,
+                                json={"model": "scripted", "prompt": "x", "stream": True})
+            assert answer.status_code == 200 and answer.text.endswith("data: [DONE]\n\n")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert "asyncio event loop (uvloop is not installed), httptools HTTP parser" in text, text

@@ -52,7 +52,7 @@ def served(scripted_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "PHASEWATCH_ADMIN_OPEN": "true",
         "PHASEWATCH_METRICS_CACHE_S": "0",
     }
-    args = ["-m", "app.cli", "serve", "--workers", str(WORKERS), "--upstream", scripted_url,
+    args = ["-m", "phasewatch.cli", "serve", "--workers", str(WORKERS), "--upstream", scripted_url,
             "--port", str(port)]
     with subprocess_server(args, url + "/api/health", env=env, timeout=60):
         roles(url)  # both workers answer

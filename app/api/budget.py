@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from app.api.errors import error_response
+from phasewatch.api.errors import error_response
 
 
 class BudgetedRoute(APIRoute):

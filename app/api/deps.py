@@ -11,7 +11,7 @@ from fastapi import Request
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.inspection import inspect
 
-from app.core.settings import Settings
+from phasewatch.core.settings import Settings
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}

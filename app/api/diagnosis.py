@@ -10,10 +10,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.api.budget import BudgetedRoute
-from app.api.deps import db_session, parse_duration, row_dict, utc
-from app.api.errors import error_response
-from app.diagnosis.service import (
+from phasewatch.api.budget import BudgetedRoute
+from phasewatch.api.deps import db_session, parse_duration, row_dict, utc
+from phasewatch.api.errors import error_response
+from phasewatch.diagnosis.service import (
     Baseline,
     DiagnosisService,
     PreviousSpan,
@@ -21,7 +21,7 @@ from app.diagnosis.service import (
     TimeRange,
     UnknownRun,
 )
-from app.store.diagnoses import list_diagnoses
+from phasewatch.store.diagnoses import list_diagnoses
 
 router = APIRouter(route_class=BudgetedRoute)
 

@@ -9,10 +9,10 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.api.budget import BudgetedRoute
-from app.api.deps import db_session, utc
-from app.core.records import Outcome
-from app.store.queries import RequestFilter, list_requests
+from phasewatch.api.budget import BudgetedRoute
+from phasewatch.api.deps import db_session, utc
+from phasewatch.core.records import Outcome
+from phasewatch.store.queries import RequestFilter, list_requests
 
 router = APIRouter(route_class=BudgetedRoute)
 

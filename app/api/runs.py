@@ -8,9 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.api.budget import BudgetedRoute
-from app.api.deps import db_session, row_dict, utc
-from app.store.queries import get_run, list_runs
+from phasewatch.api.budget import BudgetedRoute
+from phasewatch.api.deps import db_session, row_dict, utc
+from phasewatch.store.queries import get_run, list_runs
 
 router = APIRouter(route_class=BudgetedRoute)
 

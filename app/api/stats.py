@@ -13,10 +13,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.api.budget import BudgetedRoute
-from app.api.deps import db_session, parse_duration, settings, utc
-from app.core.settings import Settings
-from app.store.window_stats import GroupBy, window_stats
+from phasewatch.api.budget import BudgetedRoute
+from phasewatch.api.deps import db_session, parse_duration, settings, utc
+from phasewatch.core.settings import Settings
+from phasewatch.store.window_stats import GroupBy, window_stats
 
 router = APIRouter(route_class=BudgetedRoute)
 

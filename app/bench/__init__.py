@@ -6,13 +6,13 @@ itself; `modes` holds the bench's five experiments and `runner` runs one of them
 joining phasewatch's own records of the same requests (`proxy_view`).
 Figures and output, all pure: `stats` (summaries), `result` (a run as rows: exported, stored
 and printed alike), `render` (the report), `compare`, `plots`. `storage` keeps runs in
-phasewatch's database (`app.store`); `export` writes the JSON and PNG files; `cli` is the
+phasewatch's database (`phasewatch.store`); `export` writes the JSON and PNG files; `cli` is the
 `bench` and `runs` commands. `article` and `workload` hold the article's two experiments for
 `phasewatch demo`. Nothing here imports the proxy or the simulator: it talks HTTP, so it
 measures a real vLLM the same way.
 """
 
-from app.bench.client import RequestResult, stream_request
-from app.bench.stats import StepStats, summarize
+from phasewatch.bench.client import RequestResult, stream_request
+from phasewatch.bench.stats import StepStats, summarize
 
 __all__ = ["RequestResult", "StepStats", "stream_request", "summarize"]

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.bench.proxy_view import ProxyStats, run_stats, stored_records
-from app.bench.stats import StepStats, summarize
-from app.bench.workload import (
+from phasewatch.bench.proxy_view import ProxyStats, run_stats, stored_records
+from phasewatch.bench.stats import StepStats, summarize
+from phasewatch.bench.workload import (
     WorkloadError,
     burst,
     client_session,

@@ -1,4 +1,4 @@
-"""`phasewatch bench ...` and `phasewatch runs ...`: the argparse shell over `app.bench`.
+"""`phasewatch bench ...` and `phasewatch runs ...`: the argparse shell over `phasewatch.bench`.
 
 `bench MODE` measures one experiment against any OpenAI-compatible base URL (vLLM, phasewatch,
 the simulator), prints the report, writes `<run id>.json` and `<run id>.png` under `--out`, and
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from app.bench.modes import ModeOptions
-    from app.bench.stats import Slo
+    from phasewatch.bench.modes import ModeOptions
+    from phasewatch.bench.stats import Slo
 
 T = TypeVar("T")
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -158,8 +158,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def _slo(args: argparse.Namespace) -> Slo | None:
-    from app.bench.stats import Slo
-    from app.core.settings import load_settings
+    from phasewatch.bench.stats import Slo
+    from phasewatch.core.settings import load_settings
 
     if args.mode == "goodput":  # the proxy's own SLO pair unless told otherwise
         settings = load_settings()
@@ -174,7 +174,7 @@ def _slo(args: argparse.Namespace) -> Slo | None:
 
 
 def mode_options(args: argparse.Namespace) -> ModeOptions:
-    from app.bench import modes
+    from phasewatch.bench import modes
 
     if args.mode == "prompt":
         return modes.PromptSweep(tuple(args.prompt_tokens), args.max_tokens, args.requests,
@@ -197,7 +197,7 @@ def mode_options(args: argparse.Namespace) -> ModeOptions:
 
 
 def _database(args: argparse.Namespace) -> tuple[str, bool]:
-    from app.core.settings import load_settings
+    from phasewatch.core.settings import load_settings
 
     settings = load_settings()
     return args.database_url or settings.database_url, settings.database_auto_upgrade
@@ -212,14 +212,14 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def run_bench_from_args(args: argparse.Namespace) -> int:
-    from app.bench.errors import WorkloadError
-    from app.bench.export import export_run
-    from app.bench.progress import make_progress
-    from app.bench.render import render
-    from app.bench.runner import BenchOptions, run_bench
-    from app.bench.storage import RunStore
-    from app.core.settings import SettingsError
-    from app.store.migrate import SchemaError
+    from phasewatch.bench.errors import WorkloadError
+    from phasewatch.bench.export import export_run
+    from phasewatch.bench.progress import make_progress
+    from phasewatch.bench.render import render
+    from phasewatch.bench.runner import BenchOptions, run_bench
+    from phasewatch.bench.storage import RunStore
+    from phasewatch.core.settings import SettingsError
+    from phasewatch.store.migrate import SchemaError
 
     try:
         options = BenchOptions(args.url, mode_options(args), args.model, args.name,
@@ -257,13 +257,13 @@ def run_bench_from_args(args: argparse.Namespace) -> int:
 
 
 def run_runs_from_args(args: argparse.Namespace) -> int:
-    from app.bench.compare import render_compare
-    from app.bench.export import export_run
-    from app.bench.render import render
-    from app.bench.result import RunResult, to_json
-    from app.bench.storage import RunNotFound, RunStore
-    from app.core.settings import SettingsError
-    from app.store.migrate import SchemaError
+    from phasewatch.bench.compare import render_compare
+    from phasewatch.bench.export import export_run
+    from phasewatch.bench.render import render
+    from phasewatch.bench.result import RunResult, to_json
+    from phasewatch.bench.storage import RunNotFound, RunStore
+    from phasewatch.core.settings import SettingsError
+    from phasewatch.store.migrate import SchemaError
 
     try:
         database = _database(args)
@@ -300,7 +300,7 @@ def run_runs_from_args(args: argparse.Namespace) -> int:
 
 
 def render_list(runs: list[dict[str, Any]]) -> str:
-    from app.bench.render import Column, table
+    from phasewatch.bench.render import Column, table
 
     if not runs:
         return "no runs stored\n"

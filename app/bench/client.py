@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.core.events import Kind, classify
-from app.core.sse import SSEDecoder, event_data
+from phasewatch.core.events import Kind, classify
+from phasewatch.core.sse import SSEDecoder, event_data
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from app.bench.render import Column, ms, num, table
+from phasewatch.bench.render import Column, ms, num, table
 
 Row = dict[str, Any]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.bench.plots import PlotsUnavailable, write_plots
-from app.bench.result import RunResult, to_json
+from phasewatch.bench.plots import PlotsUnavailable, write_plots
+from phasewatch.bench.result import RunResult, to_json
 
 
 @dataclass(slots=True)

@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
-from app.bench.client import RequestResult, stream_request
-from app.bench.workload import REQUEST_ID_HEADER, RUN_ID_HEADER, admin_headers
+from phasewatch.bench.client import RequestResult, stream_request
+from phasewatch.bench.workload import REQUEST_ID_HEADER, RUN_ID_HEADER, admin_headers
 
 
 @dataclass(slots=True)

@@ -28,15 +28,15 @@ from typing import Any
 
 import aiohttp
 
-from app.bench.client import RequestResult
-from app.bench.errors import WorkloadError
-from app.bench.load import Batch, Sender, closed_loop, open_loop, poisson_offsets
-from app.bench.progress import Progress
-from app.bench.prompts import PromptBuilder
-from app.bench.result import point_row, spread
-from app.bench.stats import Figures, Slo, figures, named_quantiles, slo_verdict
-from app.bench.target import Target
-from app.bench.workload import completion_body
+from phasewatch.bench.client import RequestResult
+from phasewatch.bench.errors import WorkloadError
+from phasewatch.bench.load import Batch, Sender, closed_loop, open_loop, poisson_offsets
+from phasewatch.bench.progress import Progress
+from phasewatch.bench.prompts import PromptBuilder
+from phasewatch.bench.result import point_row, spread
+from phasewatch.bench.stats import Figures, Slo, figures, named_quantiles, slo_verdict
+from phasewatch.bench.target import Target
+from phasewatch.bench.workload import completion_body
 
 
 @dataclass(frozen=True, slots=True)

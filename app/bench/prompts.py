@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.bench.errors import WorkloadError
+from phasewatch.bench.errors import WorkloadError
 
 SERVER, LOCAL, ESTIMATE = "server", "local", "estimate"
 

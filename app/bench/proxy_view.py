@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.bench.errors import WorkloadError
-from app.bench.stats import named_quantiles
-from app.bench.workload import admin_headers
+from phasewatch.bench.errors import WorkloadError
+from phasewatch.bench.stats import named_quantiles
+from phasewatch.bench.workload import admin_headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,11 @@ class ProxyStats:
 
 async def _get(session: aiohttp.ClientSession, url: str, params: dict[str, Any]) -> Any:
     async with session.get(url, params=params, headers=admin_headers()) as response:
+        if response.status in (401, 403):
+            raise WorkloadError(
+                f"{url} answered {response.status}: phasewatch's admin API is closed; run the "
+                "bench with the proxy's token in PHASEWATCH_ADMIN_TOKEN (README, \"The admin "
+                "API is closed by default\")")
         if response.status != 200:
             raise WorkloadError(f"{url} answered {response.status}")
         return await response.json(loads=orjson.loads)

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from app.bench.stats import Figures
+from phasewatch.bench.stats import Figures
 
 RUN_COLUMNS = ("id", "name", "kind", "target", "status", "parameters", "engine", "started_at",
                "finished_at", "summary")

@@ -1,7 +1,7 @@
 """One bench run from start to end: discover the target, measure, join phasewatch's records.
 
-`run_bench` returns the run as rows (`app.bench.result`). With a `RunStore` it also stores the
-run: a `running` row before the first request, and the points and summary at the end, or
+`run_bench` returns the run as rows (`phasewatch.bench.result`). With a `RunStore` it also
+stores the run: a `running` row before the first request, and the points and summary at the end, or
 `failed` with the points measured so far when the run breaks off (an error, Ctrl-C).
 
 When the target is phasewatch, every request carries the run id in `x-phasewatch-run-id` and
@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from app.bench.load import Sender, closed_loop
-from app.bench.modes import MODES, Context, ModeOptions, parameters
-from app.bench.progress import NoProgress, Progress
-from app.bench.prompts import ESTIMATE, PromptBuilder
-from app.bench.proxy_view import proxy_figures, run_records
-from app.bench.result import RunResult
-from app.bench.target import Target, discover
-from app.bench.workload import client_session
+from phasewatch.bench.load import Sender, closed_loop
+from phasewatch.bench.modes import MODES, Context, ModeOptions, parameters
+from phasewatch.bench.progress import NoProgress, Progress
+from phasewatch.bench.prompts import ESTIMATE, PromptBuilder
+from phasewatch.bench.proxy_view import proxy_figures, run_records
+from phasewatch.bench.result import RunResult
+from phasewatch.bench.target import Target, discover
+from phasewatch.bench.workload import client_session
 
 if TYPE_CHECKING:
-    from app.bench.storage import RunStore
+    from phasewatch.bench.storage import RunStore
 
 
 @dataclass(frozen=True, slots=True)

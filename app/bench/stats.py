@@ -1,6 +1,6 @@
 """Pure aggregation of client-side results: no clock, no I/O.
 
-Percentiles are nearest rank (`app.core.quantiles`), the project's one definition. The demo's
+Percentiles are nearest rank (`phasewatch.core.quantiles`), the project's one definition. The demo's
 `summarize` reports a step's ITL the way the article's harness does: the median, across
 requests, of each request's median chunk gap. The bench's `figures` pools every chunk gap of a
 point instead, and reports p50/p90/p95/p99 of TTFT and ITL, the achieved concurrency, goodput
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.bench.client import RequestResult
-from app.core.quantiles import percentile, percentiles
+from phasewatch.bench.client import RequestResult
+from phasewatch.core.quantiles import percentile, percentiles
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,8 @@ and the proxy's records of the same requests (`requests.run_id`) sit side by sid
 `/api/runs` serves the runs. The schema is checked as the proxy checks it: a new database is
 migrated, one that is behind is refused with what to run.
 
-Rows go in and come out exactly as `app.bench.result` shapes them, so a stored run renders the
-same report as the run that stored it.
+Rows go in and come out exactly as `phasewatch.bench.result` shapes them, so a stored run
+renders the same report as the run that stored it.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from app.bench.result import POINT_COLUMNS, RUN_COLUMNS, RunResult
-from app.core.db import create_engine, create_sessionmaker
-from app.store.migrate import prepare_schema
-from app.store.queries import get_run, list_runs, run_ids_starting_with
-from app.store.runs import begin_run, complete_run
+from phasewatch.bench.result import POINT_COLUMNS, RUN_COLUMNS, RunResult
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.store.migrate import prepare_schema
+from phasewatch.store.queries import get_run, list_runs, run_ids_starting_with
+from phasewatch.store.runs import begin_run, complete_run
 
 
 class RunNotFound(LookupError):

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.bench.errors import WorkloadError
+from phasewatch.bench.errors import WorkloadError
 
 _INFO_LINE = re.compile(r"^vllm:cache_config_info\{(?P<labels>.*)\}\s+\S+\s*$", re.MULTILINE)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -3,7 +3,7 @@
 `exact_prompt` is the article's `"word " * n`, checked against the server's own `/tokenize`
 (vLLM and the simulator both serve it) and corrected until the count is exact, so "256-token
 prompt" means 256 prompt tokens on the server that answers; it refuses a server without
-`/tokenize` (`app.bench.prompts` has the fallbacks the bench uses).
+`/tokenize` (`phasewatch.bench.prompts` has the fallbacks the bench uses).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from app.bench.client import RequestResult, stream_request
-from app.bench.errors import WorkloadError
-from app.bench.prompts import SERVER, PromptBuilder
+from phasewatch.bench.client import RequestResult, stream_request
+from phasewatch.bench.errors import WorkloadError
+from phasewatch.bench.prompts import SERVER, PromptBuilder
 
 RUN_ID_HEADER = "x-phasewatch-run-id"
 REQUEST_ID_HEADER = "x-request-id"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,15 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
+class MissingDriver(RuntimeError):
+    """The database URL names a driver this installation lacks; the message says what to run."""
+
+
 def create_engine(url: str) -> AsyncEngine:
     if not is_sqlite(url):
+        if find_spec("asyncpg") is None:
+            raise MissingDriver("PHASEWATCH_DATABASE_URL is a PostgreSQL URL, whose driver "
+                                "(asyncpg) is not installed: pip install 'phasewatch[postgres]'")
         return create_async_engine(url, pool_size=5, max_overflow=5, pool_pre_ping=True)
     database = make_url(url).database
     if database and database != ":memory:":

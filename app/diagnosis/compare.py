@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.diagnosis.statistics import (
+from phasewatch.diagnosis.statistics import (
     Moments,
     interval,
     mann_whitney_greater,

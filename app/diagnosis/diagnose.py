@@ -34,14 +34,14 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.core.quantiles import percentile
-from app.diagnosis.compare import Center, Shift, compare, finite
-from app.diagnosis.live_view import QueueEvidence, live_observations, queue_evidence
-from app.diagnosis.observations import EngineSignals, Observation, Sample, Stage
-from app.diagnosis.prompt_adjust import Adjusted, adjusted_shift, relative_ttft
-from app.diagnosis.stalls import StallRules, Stalls, analyse_stalls
-from app.diagnosis.statistics import Correlation, rate_ratio_greater, spearman
-from app.diagnosis.verdicts import ACTIONS, MEANING, Verdict
+from phasewatch.core.quantiles import percentile
+from phasewatch.diagnosis.compare import Center, Shift, compare, finite
+from phasewatch.diagnosis.live_view import QueueEvidence, live_observations, queue_evidence
+from phasewatch.diagnosis.observations import EngineSignals, Observation, Sample, Stage
+from phasewatch.diagnosis.prompt_adjust import Adjusted, adjusted_shift, relative_ttft
+from phasewatch.diagnosis.stalls import StallRules, Stalls, analyse_stalls
+from phasewatch.diagnosis.statistics import Correlation, rate_ratio_greater, spearman
+from phasewatch.diagnosis.verdicts import ACTIONS, MEANING, Verdict
 
 METHOD = "phasewatch-diagnosis/1"
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from app.diagnosis.verdicts import Verdict
+from phasewatch.diagnosis.verdicts import Verdict
 
 QUIET = (Verdict.HEALTHY, Verdict.INSUFFICIENT_DATA)  # not an incident
 

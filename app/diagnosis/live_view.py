@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.live import InFlight
-from app.core.quantiles import percentile
-from app.diagnosis.compare import finite
-from app.diagnosis.observations import Observation, Stage
-from app.diagnosis.statistics import binomial_greater
+from phasewatch.core.live import InFlight
+from phasewatch.core.quantiles import percentile
+from phasewatch.diagnosis.compare import finite
+from phasewatch.diagnosis.observations import Observation, Stage
+from phasewatch.diagnosis.statistics import binomial_greater
 
 SAME_ARRIVAL_S = 1e-3  # a snapshot's request and a record of it carry the same arrival time
 TAIL = 0.99  # the baseline quantile a waiting request is compared with

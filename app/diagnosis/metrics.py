@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from app.diagnosis.verdicts import Verdict
+from phasewatch.diagnosis.verdicts import Verdict
 
 
 class DiagnosisMetrics:

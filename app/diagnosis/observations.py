@@ -6,8 +6,8 @@ time); durations are the proxy's own measurements (`perf_counter` intervals). No
 reads a clock or a database.
 
 `EngineSignals` is what the diagnosis reads from the engine's own metrics over the window, when
-the engine exposes them (`app.engine.window.EngineWindow` has this shape); every figure may be
-missing, since metric names differ across vLLM versions.
+the engine exposes them (`phasewatch.engine.window.EngineWindow` has this shape); every figure
+may be missing, since metric names differ across vLLM versions.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from app.core.live import InFlight
+from phasewatch.core.live import InFlight
 
 
 class Stage(StrEnum):

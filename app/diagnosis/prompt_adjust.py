@@ -26,9 +26,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.core.quantiles import percentile
-from app.diagnosis.compare import Shift, compare
-from app.diagnosis.observations import Observation
+from phasewatch.core.quantiles import percentile
+from phasewatch.diagnosis.compare import Shift, compare
+from phasewatch.diagnosis.observations import Observation
 
 PACE_COVERAGE = 0.8  # share of requests with a decode pace needed to use it
 

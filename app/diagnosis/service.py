@@ -25,16 +25,16 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.core.live import InFlight
-from app.core.settings import Settings
-from app.diagnosis.diagnose import Finding, Rules, diagnose
-from app.diagnosis.hold import BaselineKind, Held, HoldRules, Round, Span, baseline_for, step
-from app.diagnosis.metrics import DiagnosisMetrics
-from app.diagnosis.observations import Observation, Sample, traffic_span_s
-from app.diagnosis.verdicts import Verdict
-from app.engine.codec import snapshot_from_json
-from app.engine.window import EngineWindow, summarize
-from app.store.diagnoses import (
+from phasewatch.core.live import InFlight
+from phasewatch.core.settings import Settings
+from phasewatch.diagnosis.diagnose import Finding, Rules, diagnose
+from phasewatch.diagnosis.hold import BaselineKind, Held, HoldRules, Round, Span, baseline_for, step
+from phasewatch.diagnosis.metrics import DiagnosisMetrics
+from phasewatch.diagnosis.observations import Observation, Sample, traffic_span_s
+from phasewatch.diagnosis.verdicts import Verdict
+from phasewatch.engine.codec import snapshot_from_json
+from phasewatch.engine.window import EngineWindow, summarize
+from phasewatch.store.diagnoses import (
     RequestSpan,
     active_models,
     add_diagnosis,
@@ -42,8 +42,8 @@ from app.store.diagnoses import (
     read_observations,
     run_request_count,
 )
-from app.store.engine_scrapes import read_scrapes
-from app.store.live_snapshots import read_fresh
+from phasewatch.store.engine_scrapes import read_scrapes
+from phasewatch.store.live_snapshots import read_fresh
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class UnknownRun(LookupError):
 
 
 def to_observation(row: tuple[Any, ...]) -> Observation:
-    """An `app.store.diagnoses.OBSERVATION_COLUMNS` row as the core's input."""
+    """An `phasewatch.store.diagnoses.OBSERVATION_COLUMNS` row as the core's input."""
     (started_at, outcome, ttft_s, e2e_s, itl_count, itl_p50_s, itl_max_s, prompt_tokens,
      in_flight) = row
     return Observation(

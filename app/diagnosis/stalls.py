@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.core.quantiles import percentile
-from app.diagnosis.compare import finite
-from app.diagnosis.observations import Observation
-from app.diagnosis.statistics import normal_sf, two_proportions_greater
+from phasewatch.core.quantiles import percentile
+from phasewatch.diagnosis.compare import finite
+from phasewatch.diagnosis.observations import Observation
+from phasewatch.diagnosis.statistics import normal_sf, two_proportions_greater
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,6 @@ versions) and `window` (pure: a window's figures from a series of snapshots) hol
 snapshots in memory; `metrics` are its own Prometheus gauges.
 """
 
-from app.engine.parser import EngineSnapshot, parse_engine_metrics
+from phasewatch.engine.parser import EngineSnapshot, parse_engine_metrics
 
 __all__ = ["EngineSnapshot", "parse_engine_metrics"]

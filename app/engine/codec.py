@@ -11,7 +11,7 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from app.engine.parser import EngineSnapshot, EngineState, Histogram
+from phasewatch.engine.parser import EngineSnapshot, EngineState, Histogram
 
 _HISTOGRAMS = frozenset(("ttft", "queue_time"))
 _KNOWN = frozenset(field.name for field in fields(EngineState))

@@ -21,10 +21,10 @@ from datetime import UTC, datetime, timedelta
 import aiohttp
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.engine.codec import snapshot_to_json
-from app.engine.metrics import EngineScrapeMetrics
-from app.engine.parser import EngineSnapshot, parse_engine_metrics
-from app.store.engine_scrapes import add_scrape
+from phasewatch.engine.codec import snapshot_to_json
+from phasewatch.engine.metrics import EngineScrapeMetrics
+from phasewatch.engine.parser import EngineSnapshot, parse_engine_metrics
+from phasewatch.store.engine_scrapes import add_scrape
 
 log = logging.getLogger(__name__)
 

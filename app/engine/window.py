@@ -15,12 +15,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from app.engine.parser import EngineSnapshot, EngineState, Histogram
+from phasewatch.engine.parser import EngineSnapshot, EngineState, Histogram
 
 
 @dataclass(frozen=True, slots=True)
 class EngineWindow:
-    """The engine over one window (the shape `app.diagnosis.observations.EngineSignals` reads)."""
+    """The engine over one window (the shape
+    `phasewatch.diagnosis.observations.EngineSignals` reads)."""
 
     scrapes: int
     waiting_mean: float | None = None

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from app.core.admin import ADMIN_TOKEN_HEADER
+from phasewatch.core.admin import ADMIN_TOKEN_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

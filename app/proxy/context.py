@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from app.core.admin import AdminAccess
-from app.core.metrics import ProxyMetrics
-from app.core.records import RecordQueue
-from app.core.settings import Settings
-from app.proxy.labels import ModelLabels
-from app.proxy.live import LiveStreams
-from app.proxy.shutdown import Shutdown
-from app.proxy.upstream_pool import UpstreamPool
+from phasewatch.core.admin import AdminAccess
+from phasewatch.core.metrics import ProxyMetrics
+from phasewatch.core.records import RecordQueue
+from phasewatch.core.settings import Settings
+from phasewatch.proxy.labels import ModelLabels
+from phasewatch.proxy.live import LiveStreams
+from phasewatch.proxy.shutdown import Shutdown
+from phasewatch.proxy.upstream_pool import UpstreamPool
 
 
 @dataclass(slots=True)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from app.core.records import Outcome, RequestRecord
-from app.proxy.context import ProxyContext
-from app.proxy.timing import StreamTiming, figures
+from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.proxy.context import ProxyContext
+from phasewatch.proxy.timing import StreamTiming, figures
 
 log = logging.getLogger(__name__)
 

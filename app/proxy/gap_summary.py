@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from array import array
 
-from app.core.quantiles import percentile
+from phasewatch.core.quantiles import percentile
 
 EXACT_LIMIT = 2048
 _GAMMA = 1.02

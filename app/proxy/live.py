@@ -28,7 +28,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from app.core.live import InFlight, LiveCounts
+from phasewatch.core.live import InFlight, LiveCounts
 
 NS = 1_000_000_000
 

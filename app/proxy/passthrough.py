@@ -11,7 +11,7 @@ import uuid
 import aiohttp
 from yarl import URL
 
-from app.proxy.asgi import (
+from phasewatch.proxy.asgi import (
     REQUEST_ID,
     BodyTooLarge,
     ClientGone,
@@ -26,7 +26,7 @@ from app.proxy.asgi import (
     send_full,
     upstream_request_headers,
 )
-from app.proxy.context import ProxyContext
+from phasewatch.proxy.context import ProxyContext
 
 
 async def pass_through(ctx: ProxyContext, scope: Scope, receive: Receive, send: Send) -> None:

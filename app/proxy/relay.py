@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from app.core.live import InFlight
-from app.core.records import Outcome, RequestRecord
-from app.proxy.asgi import (
+from phasewatch.core.live import InFlight
+from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.proxy.asgi import (
     NOT_FORWARDED,
     REQUEST_ID,
     RUN_ID,
@@ -48,15 +48,15 @@ from app.proxy.asgi import (
     send_error,
     send_full,
 )
-from app.proxy.client_leg import ClientLeg, client_leg
-from app.proxy.context import ProxyContext
-from app.proxy.finish import finish
-from app.proxy.live import LiveView
-from app.proxy.request_plan import RequestPlan, plan_request
-from app.proxy.shutdown import Stage
-from app.proxy.stream import StreamFeed
-from app.proxy.timing import NS, StreamTiming
-from app.proxy.upstream_pool import UpstreamConnection
+from phasewatch.proxy.client_leg import ClientLeg, client_leg
+from phasewatch.proxy.context import ProxyContext
+from phasewatch.proxy.finish import finish
+from phasewatch.proxy.live import LiveView
+from phasewatch.proxy.request_plan import RequestPlan, plan_request
+from phasewatch.proxy.shutdown import Stage
+from phasewatch.proxy.stream import StreamFeed
+from phasewatch.proxy.timing import NS, StreamTiming
+from phasewatch.proxy.upstream_pool import UpstreamConnection
 
 log = logging.getLogger(__name__)
 

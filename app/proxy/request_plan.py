@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from app.proxy.labels import model_name
+from phasewatch.proxy.labels import model_name
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,7 +25,7 @@ from enum import Enum
 from types import FrameType
 from typing import Any
 
-from app.proxy.live import LiveStreams
+from phasewatch.proxy.live import LiveStreams
 
 log = logging.getLogger(__name__)
 

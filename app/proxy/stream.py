@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from app.core.events import (
+from phasewatch.core.events import (
     EventInfo,
     Kind,
     add_fingerprint,
@@ -28,10 +28,10 @@ from app.core.events import (
     strip_usage,
     system_fingerprint,
 )
-from app.core.records import Outcome, RequestRecord
-from app.core.sse import SSEDecoder, event_data
-from app.proxy.request_plan import RequestPlan
-from app.proxy.timing import StreamTiming
+from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.core.sse import SSEDecoder, event_data
+from phasewatch.proxy.request_plan import RequestPlan
+from phasewatch.proxy.timing import StreamTiming
 
 _COMMENT = EventInfo(Kind.OTHER)
 

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from app.proxy.gap_summary import GapSummary, Summary
+from phasewatch.proxy.gap_summary import GapSummary, Summary
 
 log = logging.getLogger(__name__)
 

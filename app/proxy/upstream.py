@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from app.core.settings import Settings
+from phasewatch.core.settings import Settings
 
 
 def create_upstream_session(settings: Settings) -> aiohttp.ClientSession:

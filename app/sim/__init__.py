@@ -5,9 +5,9 @@ Public entry points: `create_sim_app(settings)`, `run_sim(settings)`, `running_s
 See docs/simulator.md.
 """
 
-from app.sim.app import create_sim_app
-from app.sim.config import SimConfigError, SimSettings, load_sim_settings
-from app.sim.server import RunningSim, run_sim, running_sim
+from phasewatch.sim.app import create_sim_app
+from phasewatch.sim.config import SimConfigError, SimSettings, load_sim_settings
+from phasewatch.sim.server import RunningSim, run_sim, running_sim
 
 __all__ = [
     "RunningSim",

@@ -1,5 +1,5 @@
-"""`python -m app.sim [flags]`: run the simulator without the phasewatch CLI (tests use this)."""
+"""`python -m phasewatch.sim [flags]`: the simulator without the phasewatch CLI (tests use it)."""
 
-from app.sim.cli import main
+from phasewatch.sim.cli import main
 
 raise SystemExit(main())

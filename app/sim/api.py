@@ -21,9 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.sim.engine import SimRequest, TokenEvent
-from app.sim.faults import FAULT_HEADER, Fault, FaultSyntaxError, parse_fault
-from app.sim.protocol import (
+from phasewatch.sim.engine import SimRequest, TokenEvent
+from phasewatch.sim.faults import FAULT_HEADER, Fault, FaultSyntaxError, parse_fault
+from phasewatch.sim.protocol import (
     DONE,
     ApiError,
     ChunkBuilder,
@@ -34,10 +34,10 @@ from app.sim.protocol import (
     parse_json,
     streaming_error,
 )
-from app.sim.tokenizer import message_text
+from phasewatch.sim.tokenizer import message_text
 
 if TYPE_CHECKING:
-    from app.sim.app import SimState
+    from phasewatch.sim.app import SimState
 
 # The vLLM release whose wire shapes the simulator copies; /version reports it. (Completion
 # chunks' serialization and the fingerprint follow 0.32: see app/sim/protocol.py.)

@@ -17,13 +17,19 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.sim.api import router
-from app.sim.config import ResolvedConfig, SimSettings, load_sim_settings, resolve, scheduler_for
-from app.sim.engine import Engine, ModelClock
-from app.sim.faults import Fault, parse_fault
-from app.sim.metrics import SimMetrics
-from app.sim.protocol import ServedModel
-from app.sim.tokenizer import Tokenizer
+from phasewatch.sim.api import router
+from phasewatch.sim.config import (
+    ResolvedConfig,
+    SimSettings,
+    load_sim_settings,
+    resolve,
+    scheduler_for,
+)
+from phasewatch.sim.engine import Engine, ModelClock
+from phasewatch.sim.faults import Fault, parse_fault
+from phasewatch.sim.metrics import SimMetrics
+from phasewatch.sim.protocol import ServedModel
+from phasewatch.sim.tokenizer import Tokenizer
 
 log = logging.getLogger("phasewatch.sim")
 

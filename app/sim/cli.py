@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from app.sim.config import GPU_PRESETS, MODEL_PRESETS, SimConfigError, load_sim_settings
+from phasewatch.sim.config import GPU_PRESETS, MODEL_PRESETS, SimConfigError, load_sim_settings
 
 # (flag, SimSettings field, type, help)
 _FLAGS: list[tuple[str, str, type, str]] = [
@@ -76,7 +76,7 @@ def settings_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    from app.sim.server import run_sim
+    from phasewatch.sim.server import run_sim
 
     try:
         settings = load_sim_settings(**settings_overrides(args))
@@ -90,7 +90,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m app.sim ...`: the same command without the phasewatch CLI around it."""
+    """`python -m phasewatch.sim ...`: the same command without the phasewatch CLI around it."""
     parser = argparse.ArgumentParser(prog="phasewatch")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])

@@ -15,9 +15,9 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.core.settings import LogLevel, describe
-from app.sim.costmodel import CostModel, Hardware, ModelShape
-from app.sim.scheduler import Scheduler, SchedulerConfig
+from phasewatch.core.settings import LogLevel, describe
+from phasewatch.sim.costmodel import CostModel, Hardware, ModelShape
+from phasewatch.sim.scheduler import Scheduler, SchedulerConfig
 
 ENV_PREFIX = "PHASEWATCH_SIM_"
 GiB = 1024**3
@@ -211,7 +211,7 @@ class SimSettings(BaseSettings):
     @classmethod
     def _valid_fault(cls, value: str | None) -> str | None:
         if value:
-            from app.sim.faults import FaultSyntaxError, parse_fault
+            from phasewatch.sim.faults import FaultSyntaxError, parse_fault
 
             try:
                 parse_fault(value)

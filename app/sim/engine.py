@@ -24,8 +24,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.sim.metrics import SimMetrics
-from app.sim.scheduler import Scheduler, Step
+from phasewatch.sim.metrics import SimMetrics
+from phasewatch.sim.scheduler import Scheduler, Step
 
 log = logging.getLogger("phasewatch.sim")
 

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from app.sim.config import ResolvedConfig, scheduler_for
+from phasewatch.sim.config import ResolvedConfig, scheduler_for
 
 
 @dataclass(frozen=True, slots=True)

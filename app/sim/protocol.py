@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import orjson
 
-from app.sim.tokenizer import Tokenizer
+from phasewatch.sim.tokenizer import Tokenizer
 
 ERROR_TYPES = {
     400: "BadRequestError",

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.sim.costmodel import CostModel, StepCost, Work
+from phasewatch.sim.costmodel import CostModel, StepCost, Work
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Run the simulator: blocking for the CLI, or in a background thread for tests and demos.
 
-Both use uvicorn with uvloop and httptools, the fastest pair on this kind of machine.
+Both use uvicorn with httptools, on uvloop where it is installed (app/core/event_loop.py).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import uvicorn
-import uvloop
 from fastapi import FastAPI
 
-from app.sim.app import SimState, create_sim_app, startup_line
-from app.sim.config import SimSettings, resolve
+from phasewatch.core.event_loop import loop_name, new_event_loop
+from phasewatch.sim.app import SimState, create_sim_app, startup_line
+from phasewatch.sim.config import SimSettings, resolve
 
 T = TypeVar("T")
 
@@ -27,7 +27,7 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicor
         app,
         host=host,
         port=port,
-        loop="uvloop",
+        loop=loop_name(),
         http="httptools",
         lifespan="on",
         log_level=log_level,
@@ -44,7 +44,7 @@ def run_sim(settings: SimSettings) -> None:
 
 
 class RunningSim:
-    """A simulator serving on loopback from a background thread with its own uvloop loop."""
+    """A simulator serving on loopback from a background thread with its own event loop."""
 
     def __init__(self, settings: SimSettings) -> None:
         self.app = create_sim_app(settings)
@@ -55,7 +55,7 @@ class RunningSim:
         self.url = ""
 
     def _run(self) -> None:
-        self._loop = uvloop.new_event_loop()
+        self._loop = new_event_loop()
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(self._server.serve())
 

@@ -3,6 +3,7 @@
 `phasewatch slo render` writes, next to the SLO file (normally `deploy/slo.yaml`):
 - `rules/phasewatch-slo.rules.yml`: the rule file Prometheus loads (docker-compose);
 - `k8s/prometheusrule.yaml`: the same groups as a Prometheus Operator `PrometheusRule`.
+`phasewatch slo init` writes the default SLO file shipped in the package (`default_slo.yaml`).
 `phasewatch slo check` validates the SLO file and fails when either file is not what render
 would write now, so a stale rule file cannot be committed unnoticed.
 """
@@ -10,13 +11,14 @@ would write now, so a stale rule file cannot be committed unnoticed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from app.slo.rules import prometheus_rule, render_groups
-from app.slo.spec import SloError, SloSpec, parse_spec
+from phasewatch.slo.rules import prometheus_rule, render_groups
+from phasewatch.slo.spec import SloError, SloSpec, parse_spec
 
 RULES_FILE = Path("rules/phasewatch-slo.rules.yml")
 PROMETHEUS_RULE_FILE = Path("k8s/prometheusrule.yaml")
@@ -38,6 +40,11 @@ _Dumper.add_representer(str, _str)
 def dump_yaml(data: Any) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True,
                      default_flow_style=False)
+
+
+def default_spec_text() -> str:
+    """phasewatch's default SLO file, shipped in the package (deploy/slo.yaml is a copy)."""
+    return files(__package__).joinpath("default_slo.yaml").read_text()
 
 
 def load_spec(path: Path) -> SloSpec:

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client.utils import floatToGoString
 
-from app.slo.spec import HISTOGRAMS, SLO_NAMES, Objective, SloName, SloSpec, Target
+from phasewatch.slo.spec import HISTOGRAMS, SLO_NAMES, Objective, SloName, SloSpec, Target
 
 Rule = dict[str, Any]
 Group = dict[str, Any]

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from app.core.metrics import ITL_BUCKETS, TTFT_BUCKETS
+from phasewatch.core.metrics import ITL_BUCKETS, TTFT_BUCKETS
 
 SloName = Literal["ttft", "itl"]
 SLO_NAMES: tuple[SloName, ...] = ("ttft", "itl")

@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.store.models import Diagnosis, RequestRow
-from app.store.queries import PARTITION_ROWS, page
+from phasewatch.store.models import Diagnosis, RequestRow
+from phasewatch.store.queries import PARTITION_ROWS, page
 
 # What one observation needs, in this order (see app/diagnosis/observations.py).
 OBSERVATION_COLUMNS = (

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.store.models import EngineScrape
+from phasewatch.store.models import EngineScrape
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from app.core.live import InFlight
-from app.store.live_snapshots import drop_snapshot, put_snapshot
+from phasewatch.core.live import InFlight
+from phasewatch.store.live_snapshots import drop_snapshot, put_snapshot
 
 log = logging.getLogger(__name__)
 

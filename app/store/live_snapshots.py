@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.core.live import InFlight
-from app.store.models import LiveSnapshot
+from phasewatch.core.live import InFlight
+from phasewatch.store.models import LiveSnapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from alembic import command
@@ -22,7 +23,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def migrations_dir() -> Path:
+    """The Alembic scripts, found through the package (`phasewatch.migrations`: migrations/ in
+    the source tree, inside the package once installed), never through the working directory."""
+    return Path(str(files("phasewatch.migrations")))
 
 
 class SchemaError(RuntimeError):
@@ -38,7 +44,7 @@ class SchemaState:
 
 def alembic_config(url: str) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("script_location", str(migrations_dir()))
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
 

@@ -15,7 +15,7 @@ from sqlalchemy import Select, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
-from app.store.models import RequestRow, Run
+from phasewatch.store.models import RequestRow, Run
 
 SelectT = TypeVar("SelectT", bound=Select[*tuple[Any, ...]])
 RowT = TypeVar("RowT")

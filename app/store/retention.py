@@ -19,8 +19,8 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.core.metrics import TTFT_BUCKETS
-from app.store.models import RequestRollup, RequestRow
+from phasewatch.core.metrics import TTFT_BUCKETS
+from phasewatch.store.models import RequestRollup, RequestRow
 
 log = logging.getLogger(__name__)
 

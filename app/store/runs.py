@@ -1,6 +1,6 @@
 """Writing runs: a named benchmark or experiment, its sweep points, and its summary.
 
-The bench (`app.bench.storage`) writes whole rows with `begin_run` and `complete_run`; the
+The bench (`phasewatch.bench.storage`) writes whole rows with `begin_run` and `complete_run`; the
 smaller `create_run`, `add_point` and `finish_run` build a run piece by piece.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import delete, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.store.models import Run, RunPoint
+from phasewatch.store.models import Run, RunPoint
 
 
 async def create_run(

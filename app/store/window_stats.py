@@ -45,7 +45,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from app.store.models import RequestRow
+from phasewatch.store.models import RequestRow
 
 GroupBy = Literal["model", "endpoint", "none"]
 # Percentiles reported, as whole percents: ceil(p * n / 100) is then exact integer arithmetic.

@@ -23,9 +23,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.core.metrics import ProxyMetrics
-from app.core.records import RecordQueue, RequestRecord
-from app.store.models import RequestRow
+from phasewatch.core.metrics import ProxyMetrics
+from phasewatch.core.records import RecordQueue, RequestRecord
+from phasewatch.store.models import RequestRow
 
 log = logging.getLogger(__name__)
 

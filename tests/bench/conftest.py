@@ -1,7 +1,7 @@
 """Two simulator + phasewatch stacks for the bench's end-to-end tests, started together.
 
-Each stack is `app.demo.running_stack`: the simulator and the proxy, each in its own process on
-a free loopback port (so the bench client, which runs in the test process, shares no GIL with
+Each stack is `phasewatch.demo.running_stack`: the simulator and the proxy, each in its own process
+on a free loopback port (so the bench client, which runs in the test process, shares no GIL with
 them). Both proxies and every bench run share one SQLite file, as a bench through a local
 phasewatch shares the proxy's store by default.
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.result import RunResult, from_json
-from app.bench.storage import RunStore
-from app.cli import main
-from app.demo import Stack, StackOptions, running_stack
+from phasewatch.bench.result import RunResult, from_json
+from phasewatch.bench.storage import RunStore
+from phasewatch.cli import main
+from phasewatch.demo import Stack, StackOptions, running_stack
 
 STACKS = {
     "article": StackOptions(time_scale=2.0, sim_args=(

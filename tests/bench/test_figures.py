@@ -7,14 +7,14 @@ from collections.abc import Callable
 
 import pytest
 
-from app.bench.client import RequestResult
-from app.bench.compare import MOVED, UNKNOWN, WITHIN, changes, verdict
-from app.bench.errors import WorkloadError
-from app.bench.load import poisson_offsets
-from app.bench.prompts import PromptBuilder
-from app.bench.result import point_row, spread
-from app.bench.stats import Slo, concurrency_max, figures, slo_verdict
-from app.bench.target import cache_config
+from phasewatch.bench.client import RequestResult
+from phasewatch.bench.compare import MOVED, UNKNOWN, WITHIN, changes, verdict
+from phasewatch.bench.errors import WorkloadError
+from phasewatch.bench.load import poisson_offsets
+from phasewatch.bench.prompts import PromptBuilder
+from phasewatch.bench.result import point_row, spread
+from phasewatch.bench.stats import Slo, concurrency_max, figures, slo_verdict
+from phasewatch.bench.target import cache_config
 
 MS = 1_000_000  # ns
 

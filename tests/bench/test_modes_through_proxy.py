@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.bench.render import render
-from app.bench.result import POINT_COLUMNS, RunResult
+from phasewatch.bench.render import render
+from phasewatch.bench.result import POINT_COLUMNS, RunResult
 from tests.bench.conftest import Bench
 
 

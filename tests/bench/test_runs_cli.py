@@ -16,8 +16,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from app.bench.result import RunResult, from_json
-from app.cli import main
+from phasewatch.bench.result import RunResult, from_json
+from phasewatch.cli import main
 from tests.bench.conftest import Bench
 from tests.support.servers import ThreadServer, free_port
 
@@ -152,9 +152,9 @@ class Interrupt:
 
 
 def test_a_run_that_breaks_off_is_stored_as_failed_with_what_it_measured(tmp_path: Path) -> None:
-    from app.bench.modes import PromptSweep
-    from app.bench.runner import BenchOptions, run_bench
-    from app.bench.storage import RunStore
+    from phasewatch.bench.modes import PromptSweep
+    from phasewatch.bench.runner import BenchOptions, run_bench
+    from phasewatch.bench.storage import RunStore
 
     database_url = f"sqlite+aiosqlite:///{tmp_path / 'runs.db'}"
     options = BenchOptions("", PromptSweep((16, 32), max_tokens=2, requests=1), run_id="cut")

@@ -19,14 +19,14 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.core.db import create_engine, create_sessionmaker
-from app.core.settings import load_settings
-from app.main import create_app
-from app.sim.config import load_sim_settings
-from app.sim.server import running_sim
-from app.store.diagnoses import read_observations
-from app.store.migrate import upgrade
-from app.store.models import RequestRow
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.settings import load_settings
+from phasewatch.main import create_app
+from phasewatch.sim.config import load_sim_settings
+from phasewatch.sim.server import running_sim
+from phasewatch.store.diagnoses import read_observations
+from phasewatch.store.migrate import upgrade
+from phasewatch.store.models import RequestRow
 from tests.conftest import Proxy
 from tests.support.databases import PrivatePostgres
 from tests.support.servers import ThreadServer, free_port
@@ -216,7 +216,7 @@ def test_the_schedule_exports_the_verdict_and_stores_changes_only(scheduled: Pro
 
 
 def test_history_paginates_newest_first(stored: Proxy, database_url: str) -> None:
-    from app.store.diagnoses import add_diagnosis
+    from phasewatch.store.diagnoses import add_diagnosis
 
     async def add() -> None:
         engine = create_engine(database_url)

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from app.diagnosis.diagnose import Finding, Rules, diagnose
-from app.diagnosis.observations import Observation, Sample
-from app.diagnosis.verdicts import ACTIONS, Verdict
-from app.engine.window import EngineWindow
+from phasewatch.diagnosis.diagnose import Finding, Rules, diagnose
+from phasewatch.diagnosis.observations import Observation, Sample
+from phasewatch.diagnosis.verdicts import ACTIONS, Verdict
+from phasewatch.engine.window import EngineWindow
 
 SPAN = 10.0  # seconds each hand-made sample covers
 

@@ -8,12 +8,12 @@ import json
 import httpx
 import pytest
 
-from app.engine import parse_engine_metrics
-from app.engine.codec import snapshot_from_json, snapshot_to_json
-from app.engine.parser import EngineSnapshot, EngineState, Histogram
-from app.engine.window import histogram_increase, histogram_quantile, increase, summarize
-from app.sim.config import load_sim_settings
-from app.sim.server import running_sim
+from phasewatch.engine import parse_engine_metrics
+from phasewatch.engine.codec import snapshot_from_json, snapshot_to_json
+from phasewatch.engine.parser import EngineSnapshot, EngineState, Histogram
+from phasewatch.engine.window import histogram_increase, histogram_quantile, increase, summarize
+from phasewatch.sim.config import load_sim_settings
+from phasewatch.sim.server import running_sim
 
 # vLLM v1 (0.10 and later): kv_cache_usage_perc, an `engine` label, counters with _total.
 V1 = """\

@@ -3,7 +3,7 @@ absorb, and the baseline frozen at onset when no healthy span is known."""
 
 from __future__ import annotations
 
-from app.diagnosis.hold import (
+from phasewatch.diagnosis.hold import (
     BaselineKind,
     Held,
     HoldRules,
@@ -12,7 +12,7 @@ from app.diagnosis.hold import (
     baseline_for,
     step,
 )
-from app.diagnosis.verdicts import Verdict
+from phasewatch.diagnosis.verdicts import Verdict
 
 H, Q, CAP = Verdict.HEALTHY, Verdict.QUEUEING, Verdict.OUT_OF_CAPACITY
 RULES = HoldRules(rounds=2, switch_confidence=0.95, reference_s=600)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from app.core.live import InFlight
-from app.diagnosis.diagnose import diagnose
-from app.diagnosis.live_view import live_observations, queue_evidence
-from app.diagnosis.observations import Observation, Sample, Stage
-from app.diagnosis.statistics import binomial_greater
-from app.diagnosis.verdicts import Verdict
+from phasewatch.core.live import InFlight
+from phasewatch.diagnosis.diagnose import diagnose
+from phasewatch.diagnosis.live_view import live_observations, queue_evidence
+from phasewatch.diagnosis.observations import Observation, Sample, Stage
+from phasewatch.diagnosis.statistics import binomial_greater
+from phasewatch.diagnosis.verdicts import Verdict
 from tests.diagnosis.test_diagnose import BASE, SPAN, traffic
 
 

@@ -13,8 +13,8 @@ SHELL = {"service.py", "metrics.py"}  # the diagnosis package's I/O shell and it
 CORE = sorted(p for p in (APP / "diagnosis").glob("*.py") if p.name not in SHELL)
 PURE_ENGINE = [APP / "engine" / name for name in ("parser.py", "window.py", "codec.py")]
 FORBIDDEN = {"fastapi", "starlette", "sqlalchemy", "aiohttp", "httpx", "asyncio", "time",
-             "datetime", "uvicorn", "socket", "app.store", "app.api", "app.proxy",
-             "app.engine.scraper", "app.main"}
+             "datetime", "uvicorn", "socket", "phasewatch.store", "phasewatch.api",
+             "phasewatch.proxy", "phasewatch.engine.scraper", "phasewatch.main"}
 
 
 def imported(path: Path) -> set[str]:

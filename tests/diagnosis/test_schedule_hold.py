@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime, timedelta
 
-from app.core.db import create_engine, create_sessionmaker
-from app.core.settings import load_settings
-from app.diagnosis.service import DiagnosisService, PreviousSpan
-from app.store.diagnoses import list_diagnoses
-from app.store.migrate import upgrade
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.settings import load_settings
+from phasewatch.diagnosis.service import DiagnosisService, PreviousSpan
+from phasewatch.store.diagnoses import list_diagnoses
+from phasewatch.store.migrate import upgrade
 from tests.diagnosis.test_api import insert, rows
 
 T0 = datetime(2026, 11, 30, 8, 0, 0, tzinfo=UTC)

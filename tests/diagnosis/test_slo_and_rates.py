@@ -3,9 +3,9 @@ be unclean; request rates over the part of a span that had traffic."""
 
 from __future__ import annotations
 
-from app.diagnosis.diagnose import Rules, diagnose
-from app.diagnosis.observations import Sample, traffic_span_s
-from app.diagnosis.verdicts import Verdict
+from phasewatch.diagnosis.diagnose import Rules, diagnose
+from phasewatch.diagnosis.observations import Sample, traffic_span_s
+from phasewatch.diagnosis.verdicts import Verdict
 from tests.diagnosis.test_diagnose import SPAN, sample, traffic
 
 SLO = Rules(slo_ttft_s=0.5, slo_itl_s=0.040)

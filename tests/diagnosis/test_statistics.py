@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from app.diagnosis.statistics import (
+from phasewatch.diagnosis.statistics import (
     Moments,
     average_ranks,
     interval,

@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.core.quantiles import percentile
-from app.core.settings import Settings
-from app.store.leader import leader_lock
-from app.store.migrate import upgrade
+from phasewatch.core.quantiles import percentile
+from phasewatch.core.settings import Settings
+from phasewatch.store.leader import leader_lock
+from phasewatch.store.migrate import upgrade
 from tests.conftest import Proxy
 from tests.support.servers import free_port, subprocess_server
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.store.migrate import upgrade
+from phasewatch.store.migrate import upgrade
 from tests.conftest import Proxy
 from tests.support.databases import PrivatePostgres
 

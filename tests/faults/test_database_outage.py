@@ -15,11 +15,11 @@ import orjson
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
 
-from app.core.db import create_engine
-from app.core.settings import load_settings
-from app.main import create_app
-from app.store.migrate import upgrade
-from app.store.models import RequestRow
+from phasewatch.core.db import create_engine
+from phasewatch.core.settings import load_settings
+from phasewatch.main import create_app
+from phasewatch.store.migrate import upgrade
+from phasewatch.store.models import RequestRow
 from tests.conftest import Proxy
 from tests.support.databases import PrivatePostgres
 from tests.support.served import wait_for

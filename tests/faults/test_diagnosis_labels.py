@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 
-from app.store.models import RequestRow
+from phasewatch.store.models import RequestRow
 from tests.conftest import Proxy
 from tests.diagnosis.test_api import insert, rows, wait_for
 

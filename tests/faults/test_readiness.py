@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from app.store.migrate import upgrade
+from phasewatch.store.migrate import upgrade
 from tests.support.databases import PrivatePostgres
 from tests.support.served import wait_for
 

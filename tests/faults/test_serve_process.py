@@ -2,7 +2,7 @@
 past what it allows gets 503s in the OpenAI format, never "Too many open files") and its log
 (no access log, so no query strings, unless asked for).
 
-Run as users run it (a subprocess of `python -m app.cli serve`) with its limit set before it
+Run as users run it (a subprocess of `python -m phasewatch.cli serve`) with its limit set before it
 starts, in front of the scripted upstream.
 """
 
@@ -34,7 +34,7 @@ def serve(upstream: str, tmp_path: Path, soft: int, hard: int,
 
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--upstream",
+            [sys.executable, "-m", "phasewatch.cli", "serve", "--port", str(port), "--upstream",
              upstream], stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit,
             env={**os.environ, "PHASEWATCH_DATABASE_URL":
                  f"sqlite+aiosqlite:///{tmp_path / 'pw.db'}", "PHASEWATCH_LOG_LEVEL": "info",

@@ -1,8 +1,8 @@
 """Stopping `phasewatch serve`: bounded in time, every stream told why it ended, every record
 stored.
 
-Run as users run it (`python -m app.cli serve`, a subprocess, its own SQLite file) in front of
-the scripted upstream, with streams that would run for a minute. Every wait is on a condition.
+Run as users run it (`python -m phasewatch.cli serve`, a subprocess, its own SQLite file) in front
+of the scripted upstream, with streams that would run for a minute. Every wait is on a condition.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def serving(upstream: str, db: Path,
             grace_s: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--upstream", upstream],
+        [sys.executable, "-m", "phasewatch.cli", "serve", "--port", str(port),
+         "--upstream", upstream],
         env={**os.environ, "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{db}",
              "PHASEWATCH_SHUTDOWN_GRACE_S": str(grace_s), "PHASEWATCH_LOG_LEVEL": "warning"})
     url = f"http://127.0.0.1:{port}"

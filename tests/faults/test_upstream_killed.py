@@ -44,7 +44,7 @@ def test_a_killed_upstream_ends_every_stream_with_an_error_and_keeps_every_recor
     make_proxy: Callable[..., Proxy]
 ) -> None:
     port = free_port()
-    sim = ["-m", "app.sim", "--port", str(port), "--served-model-name", "sim",
+    sim = ["-m", "phasewatch.sim", "--port", str(port), "--served-model-name", "sim",
            "--log-level", "warning"]
     with subprocess_server(sim, f"http://127.0.0.1:{port}/health") as upstream:
         proxy = make_proxy(f"http://127.0.0.1:{port}")

@@ -6,6 +6,8 @@ config and each other, and the image runs the package and entry point `make test
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,11 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from app.cli import build_parser
-from app.core.settings import Settings
-from app.main import create_app
-from app.slo.files import PROMETHEUS_RULE_FILE, RULES_FILE, load_spec
-from app.slo.rules import prometheus_rule, render_groups
+from phasewatch.cli import build_parser
+from phasewatch.core.settings import Settings
+from phasewatch.main import create_app
+from phasewatch.slo.files import PROMETHEUS_RULE_FILE, RULES_FILE, load_spec
+from phasewatch.slo.rules import prometheus_rule, render_groups
 from tests.ops.conftest import DEPLOY, ROOT, SLO_FILE
 
 K8S = DEPLOY / "k8s"
@@ -171,31 +173,56 @@ def dockerfile() -> list[tuple[str, str]]:
             if line and not line.startswith("#")]
 
 
-def test_image_installs_the_package_make_test_tests() -> None:
-    instructions = dockerfile()
-    copied = [args.split()[0] for op, args in instructions if op == "COPY"]
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """The Dockerfile's instructions per stage (`FROM ... AS name`)."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for op, args in dockerfile():
+        if op == "FROM":
+            current = found.setdefault(args.split()[-1], [])
+        current.append((op, args))
+    return found
+
+
+def test_image_builds_the_wheel_and_installs_it_locked_as_a_user() -> None:
+    build, runtime = stages()["build"], stages()["runtime"]
+    copied = [args.split()[0] for op, args in build if op == "COPY"]
     assert {"pyproject.toml", "app", "migrations"} <= set(copied)
-    installs = [args for op, args in instructions if op == "RUN" and "pip install" in args]
-    # `make test` installs the project in place (`pip install -e '.[test]'`); the image does the
-    # same without the test extra, from the same pyproject.toml.
-    assert any(re.search(r"pip install -e \.(\s|$)", args) for args in installs), installs
-    makefile = (ROOT / "Makefile").read_text()
-    assert "pip install -q -e '.[test]'" in makefile
-    entrypoint = [args for op, args in instructions if op == "ENTRYPOINT"]
-    cmd = [args for op, args in instructions if op == "CMD"]
+    assert any("python -m build --wheel" in args for op, args in build if op == "RUN")
+    # The runtime stage installs the wheel (never editable) with the install script the tests
+    # run (tests/test_packaging.py), from the lock, and runs as a non-root user.
+    runs = " ".join(args for op, args in runtime if op == "RUN")
+    assert "install-runtime.sh /opt/phasewatch /tmp/install/requirements.lock" in runs
+    assert "pip install -e" not in (ROOT / "Dockerfile").read_text()
+    assert [args for op, args in runtime if op == "USER"] == ["10001"]
+    assert any("/api/ready" in args for op, args in runtime if op == "HEALTHCHECK")
+    entrypoint = [args for op, args in runtime if op == "ENTRYPOINT"]
+    cmd = [args for op, args in runtime if op == "CMD"]
     assert entrypoint == ['["phasewatch"]'] and cmd == ['["serve"]']
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"phasewatch": "app.cli:main"}
+    assert scripts == {"phasewatch": "phasewatch.cli:main"}
     # The commands the image, compose and the manifests run are real subcommands.
     parser = build_parser()
     for argv in (["serve"], ["sim", "--port", "8000"], ["db", "upgrade"], ["db", "current"]):
         assert parser.parse_args(argv).func is not None
 
 
+def test_the_dockerfile_passes_hadolint() -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    done = subprocess.run([str(hadolint), str(ROOT / "Dockerfile")], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_dockerignore_keeps_what_the_image_copies() -> None:
     ignore = (ROOT / ".dockerignore").read_text().split()
-    assert ignore[ignore.index("*") + 1:][:5] == ["!pyproject.toml", "!README.md", "!alembic.ini",
-                                                 "!app/", "!migrations/"]
+    kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    copied = set()
+    for stage in stages().values():
+        for op, args in stage:
+            if op == "COPY" and "--from" not in args:
+                copied.update(args.split()[:-1])
+    assert copied <= kept, copied - kept
 
 
 def api_paths() -> set[str]:

@@ -23,8 +23,8 @@ import httpx
 import pytest
 import yaml
 
-from app.slo.files import load_spec
-from app.slo.rules import render_groups
+from phasewatch.slo.files import load_spec
+from phasewatch.slo.rules import render_groups
 from tests.ops.conftest import DEPLOY, ROOT, SLO_FILE
 from tests.support.servers import free_port, subprocess_server, wait_http
 
@@ -115,8 +115,8 @@ async def drive_traffic(proxy: str, model: str, seconds: float) -> int:
 def stack(prometheus_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("live")
     sim_port, proxy_port, prometheus_port = free_port(), free_port(), free_port()
-    sim_args = ["-m", "app.sim", "--port", str(sim_port), "--log-level", "warning"]
-    proxy_args = ["-m", "app.cli", "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
+    sim_args = ["-m", "phasewatch.sim", "--port", str(sim_port), "--log-level", "warning"]
+    proxy_args = ["-m", "phasewatch.cli", "serve", "--upstream", f"http://127.0.0.1:{sim_port}",
                   "--port", str(proxy_port)]
     proxy_env = {"PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
                  "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / 'pw.db'}",

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from app.slo.files import dump_yaml, load_spec
-from app.slo.rules import (
+from phasewatch.slo.files import dump_yaml, load_spec
+from phasewatch.slo.rules import (
     ABSENT_ALERT,
     BUCKET_MISSING_ALERT,
     DIAGNOSIS_ALERT,
@@ -27,7 +27,7 @@ from app.slo.rules import (
     le_value,
     render_groups,
 )
-from app.slo.spec import HISTOGRAMS, SLO_NAMES, SloName, SloSpec, parse_spec
+from phasewatch.slo.spec import HISTOGRAMS, SLO_NAMES, SloName, SloSpec, parse_spec
 from tests.ops.conftest import DEPLOY, SLO_FILE
 
 RULES = DEPLOY / "rules" / "phasewatch-slo.rules.yml"

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from app.cli import main
-from app.core.metrics import ITL_BUCKETS, TTFT_BUCKETS
-from app.core.settings import Settings
-from app.slo.files import load_spec, render_files
-from app.slo.rules import QUIET_VERDICTS, VERDICTS, burn_record, errors_record, render_groups
-from app.slo.spec import SLO_NAMES, SloError, parse_spec
+from phasewatch.cli import main
+from phasewatch.core.metrics import ITL_BUCKETS, TTFT_BUCKETS
+from phasewatch.core.settings import Settings
+from phasewatch.slo.files import default_spec_text, load_spec, render_files
+from phasewatch.slo.rules import QUIET_VERDICTS, VERDICTS, burn_record, errors_record, render_groups
+from phasewatch.slo.spec import SLO_NAMES, SloError, parse_spec
 from tests.ops.conftest import DEPLOY, SLO_FILE
 
 
@@ -141,7 +141,25 @@ def test_rendering_is_deterministic() -> None:
 
 def test_diagnosis_alerts_cover_the_diagnosis_verdicts() -> None:
     """One alert rule per verdict that means trouble; the quiet ones have none."""
-    from app.diagnosis.verdicts import Verdict
+    from phasewatch.diagnosis.verdicts import Verdict
 
     assert set(VERDICTS) | set(QUIET_VERDICTS) == {verdict.value for verdict in Verdict}
     assert not set(VERDICTS) & set(QUIET_VERDICTS)
+
+
+def test_the_packaged_default_is_the_repositorys_slo_file() -> None:
+    assert default_spec_text() == SLO_FILE.read_text()
+
+
+def test_without_an_slo_file_render_says_what_to_do_and_init_writes_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no deploy/slo.yaml here, as for an installed phasewatch
+    assert main(["slo", "render"]) == 2
+    assert "slo init --file deploy/slo.yaml" in capsys.readouterr().err
+    assert main(["slo", "init", "--file", "slo.yaml"]) == 0
+    assert (tmp_path / "slo.yaml").read_text() == SLO_FILE.read_text()
+    assert main(["slo", "init", "--file", "slo.yaml"]) == 2  # never overwritten
+    assert main(["slo", "render", "--file", "slo.yaml"]) == 0
+    rendered = (tmp_path / "rules" / "phasewatch-slo.rules.yml").read_text()
+    assert rendered == (DEPLOY / "rules" / "phasewatch-slo.rules.yml").read_text()

@@ -8,19 +8,19 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from app.core.events import (
+from phasewatch.core.events import (
     Kind,
     add_fingerprint,
     classify,
     strip_usage,
     system_fingerprint,
 )
-from app.core.quantiles import percentile
-from app.core.records import Outcome, RequestRecord
-from app.proxy.gap_summary import GapSummary
-from app.proxy.request_plan import plan_request
-from app.proxy.stream import StreamFeed
-from app.proxy.timing import NS, PENDING_LIMIT, StreamTiming, figures
+from phasewatch.core.quantiles import percentile
+from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.proxy.gap_summary import GapSummary
+from phasewatch.proxy.request_plan import plan_request
+from phasewatch.proxy.stream import StreamFeed
+from phasewatch.proxy.timing import NS, PENDING_LIMIT, StreamTiming, figures
 
 MS = 1_000_000
 

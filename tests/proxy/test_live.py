@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import orjson
 
-from app.core.live import InFlight
-from app.proxy.live import LiveStreams, LiveView, live_counts
+from phasewatch.core.live import InFlight
+from phasewatch.proxy.live import LiveStreams, LiveView, live_counts
 from tests.conftest import Proxy
 from tests.support.served import wait_for
 

@@ -11,7 +11,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.core.metrics import ProxyMetrics
+from phasewatch.core.metrics import ProxyMetrics
 from tests.conftest import Proxy
 from tests.support.served import wait_for
 

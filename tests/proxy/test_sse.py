@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from app.core.sse import SSEDecoder, event_data
+from phasewatch.core.sse import SSEDecoder, event_data
 
 LF_STREAM = (
     b'data: {"choices":[{"text":"a"}]}\n\n'

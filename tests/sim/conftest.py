@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.sim import RunningSim, load_sim_settings, running_sim
+from phasewatch.sim import RunningSim, load_sim_settings, running_sim
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import orjson
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from app.sim import RunningSim
-from app.sim.api import SYSTEM_FINGERPRINT
-from app.sim.tokenizer import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE
+from phasewatch.sim import RunningSim
+from phasewatch.sim.api import SYSTEM_FINGERPRINT
+from phasewatch.sim.tokenizer import CHAT_GENERATION_PROMPT_TOKENS, CHAT_TOKENS_PER_MESSAGE
 
 MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.sim.config import load_sim_settings, resolve
-from app.sim.offline import Arrival, burst, simulate, summarize
+from phasewatch.sim.config import load_sim_settings, resolve
+from phasewatch.sim.offline import Arrival, burst, simulate, summarize
 
 
 def sweep(concurrency: int, prompt: int, **settings: object) -> tuple[float, float, float]:

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from app.sim.config import load_sim_settings, resolve
-from app.sim.costmodel import CostModel, Work
+from phasewatch.sim.config import load_sim_settings, resolve
+from phasewatch.sim.costmodel import CostModel, Work
 
 
 @pytest.fixture

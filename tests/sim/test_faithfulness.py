@@ -89,7 +89,7 @@ async def measure(url: str) -> tuple[list[float], dict[str, object]]:
 def run_once() -> tuple[list[float], dict[str, object]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = ["-m", "app.sim", "--port", str(port), "--time-scale", str(TIME_SCALE)]
+    args = ["-m", "phasewatch.sim", "--port", str(port), "--time-scale", str(TIME_SCALE)]
     args += ["--log-level", "warning", "--max-model-len", "4096"]
     with subprocess_server(args, url + "/health"):
         errors_ms, state = asyncio.run(measure(url))

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from app.sim import RunningSim, load_sim_settings, running_sim
+from phasewatch.sim import RunningSim, load_sim_settings, running_sim
 
 BODY = {"prompt": "word " * 16, "max_tokens": 10, "stream": True}
 

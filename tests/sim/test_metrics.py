@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from app.sim import RunningSim, load_sim_settings, running_sim
+from phasewatch.sim import RunningSim, load_sim_settings, running_sim
 
 MODEL = {"model_name": "Qwen/Qwen2.5-0.5B-Instruct"}
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.sim.config import load_sim_settings, resolve
-from app.sim.costmodel import CostModel
-from app.sim.scheduler import Scheduler, SchedulerConfig, Step
+from phasewatch.sim.config import load_sim_settings, resolve
+from phasewatch.sim.costmodel import CostModel
+from phasewatch.sim.scheduler import Scheduler, SchedulerConfig, Step
 
 
 @pytest.fixture

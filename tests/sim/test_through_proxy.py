@@ -18,8 +18,8 @@ import httpx
 import orjson
 import pytest
 
-from app.sim import RunningSim
-from app.sim.api import SYSTEM_FINGERPRINT
+from phasewatch.sim import RunningSim
+from phasewatch.sim.api import SYSTEM_FINGERPRINT
 from tests.conftest import Proxy
 
 

@@ -13,7 +13,7 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.store.leader import (
+from phasewatch.store.leader import (
     LEADER_LOCK_KEY,
     AdvisoryLock,
     Duty,

@@ -11,12 +11,12 @@ from datetime import UTC, datetime, timedelta
 import httpx
 from sqlalchemy import func, select
 
-from app.core.db import create_engine, create_sessionmaker
-from app.core.live import InFlight
-from app.store.live_publisher import LivePublisher
-from app.store.live_snapshots import put_snapshot, read_fresh
-from app.store.migrate import upgrade
-from app.store.models import LiveSnapshot
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.live import InFlight
+from phasewatch.store.live_publisher import LivePublisher
+from phasewatch.store.live_snapshots import put_snapshot, read_fresh
+from phasewatch.store.migrate import upgrade
+from phasewatch.store.models import LiveSnapshot
 from tests.conftest import Proxy
 from tests.diagnosis.test_api import insert, rows, z
 

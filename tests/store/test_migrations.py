@@ -14,9 +14,15 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from app.core.db import create_engine
-from app.store.migrate import SchemaError, head_revision, prepare_schema, schema_state, upgrade
-from app.store.models import Base
+from phasewatch.core.db import create_engine
+from phasewatch.store.migrate import (
+    SchemaError,
+    head_revision,
+    prepare_schema,
+    schema_state,
+    upgrade,
+)
+from phasewatch.store.models import Base
 from tests.support.databases import postgres_database
 
 
@@ -43,7 +49,7 @@ def test_downgrade_to_base_and_back(database_url: str) -> None:
     upgrade(database_url)
     from alembic import command
 
-    from app.store.migrate import alembic_config
+    from phasewatch.store.migrate import alembic_config
     command.downgrade(alembic_config(database_url), "base")
     upgrade(database_url)
     assert asyncio.run(_diff(database_url)) == []
@@ -99,7 +105,7 @@ def test_sqlite_runs_in_wal_mode(sqlite_url: str) -> None:
 
 def test_db_command_upgrades_and_reports(database_url: str) -> None:
     env = {**os.environ, "PHASEWATCH_DATABASE_URL": database_url}
-    run = [sys.executable, "-m", "app.cli", "db"]
+    run = [sys.executable, "-m", "phasewatch.cli", "db"]
     before = subprocess.run([*run, "current"], env=env, capture_output=True, text=True,
                             timeout=60, check=True)
     assert "revision none" in before.stdout and "behind" in before.stdout
@@ -112,7 +118,7 @@ def test_replicas_starting_together_on_an_empty_postgres_all_migrate() -> None:
     """Several replicas (processes) upgrading one empty database at once: one migrates, the
     others wait for it and find the schema at head, and none fails."""
     with postgres_database(f"pw_{uuid.uuid4().hex[:12]}") as url:
-        script = "import sys; from app.store.migrate import upgrade; upgrade(sys.argv[1])"
+        script = "import sys; from phasewatch.store.migrate import upgrade; upgrade(sys.argv[1])"
         replicas = [subprocess.Popen([sys.executable, "-c", script, url],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                     for _ in range(4)]

@@ -19,11 +19,11 @@ from datetime import UTC, datetime, timedelta
 import httpx
 from sqlalchemy import select
 
-from app.core.db import create_engine
-from app.sim.config import load_sim_settings
-from app.sim.server import running_sim
-from app.store.migrate import upgrade
-from app.store.models import Diagnosis, EngineScrape
+from phasewatch.core.db import create_engine
+from phasewatch.sim.config import load_sim_settings
+from phasewatch.sim.server import running_sim
+from phasewatch.store.migrate import upgrade
+from phasewatch.store.models import Diagnosis, EngineScrape
 from tests.diagnosis.test_api import insert, rows, z
 from tests.support.databases import postgres_database
 from tests.support.served import parse_metrics, script, total, wait_for
@@ -85,7 +85,8 @@ def test_two_replicas_share_one_schedule_store_everything_and_answer_alike(
         for _ in range(2):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            args = ["-m", "app.cli", "serve", "--upstream", scripted_url, "--port", str(port)]
+            args = ["-m", "phasewatch.cli", "serve", "--upstream", scripted_url,
+                    "--port", str(port)]
             replicas[url] = stack.enter_context(
                 subprocess_server(args, url + "/api/health", env=env, timeout=60))
         urls = list(replicas)

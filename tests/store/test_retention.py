@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select
 
-from app.core.db import create_engine
-from app.core.metrics import TTFT_BUCKETS
-from app.store import retention
-from app.store.migrate import upgrade
-from app.store.models import RequestRollup, RequestRow
-from app.store.retention import retention_pass, rollup_rows
+from phasewatch.core.db import create_engine
+from phasewatch.core.metrics import TTFT_BUCKETS
+from phasewatch.store import retention
+from phasewatch.store.migrate import upgrade
+from phasewatch.store.models import RequestRollup, RequestRow
+from phasewatch.store.retention import retention_pass, rollup_rows
 
 NOW = datetime(2026, 11, 30, 12, 0, 30, tzinfo=UTC)
 

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from sqlalchemy import select, text
 
-from app.core.db import create_engine, create_sessionmaker
-from app.core.quantiles import percentiles
-from app.store.models import RequestRow
-from app.store.window_stats import sample_cut, sample_key
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.quantiles import percentiles
+from phasewatch.store.models import RequestRow
+from phasewatch.store.window_stats import sample_cut, sample_key
 from tests.conftest import Proxy
 
 UNTIL = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)

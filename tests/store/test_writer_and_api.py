@@ -10,9 +10,9 @@ import httpx
 import orjson
 import pytest
 
-from app.core.db import create_engine, create_sessionmaker
-from app.core.quantiles import percentiles
-from app.store.runs import add_point, create_run, finish_run
+from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.quantiles import percentiles
+from phasewatch.store.runs import add_point, create_run, finish_run
 from tests.conftest import Proxy
 
 FAST = {"tokens": [[0.01, "a", 1], [0.02, "b", 1], [0.03, "c", 1]]}

@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import uvicorn
 
-from app.proxy.client_leg import PhasewatchHttpProtocol
+from phasewatch.proxy.client_leg import PhasewatchHttpProtocol
 
 T = TypeVar("T")
 
@@ -97,11 +98,12 @@ def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen[bytes] | N
 
 @contextmanager
 def subprocess_server(
-    args: Sequence[str], health_url: str, env: dict[str, str] | None = None, timeout: float = 30.0
+    args: Sequence[str], health_url: str, env: dict[str, str] | None = None, timeout: float = 30.0,
+    python: str = sys.executable, cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run `python args...` in a subprocess until `health_url` answers; stop it afterwards."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen([sys.executable, *args], env=full_env)
+    proc = subprocess.Popen([python, *args], env=full_env, cwd=cwd)
     try:
         wait_http(health_url, timeout=timeout, proc=proc)
         yield proc

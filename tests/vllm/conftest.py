@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from app.core.settings import load_settings
-from app.main import create_app
+from phasewatch.core.settings import load_settings
+from phasewatch.main import create_app
 from tests.conftest import Proxy
 from tests.support.servers import ThreadServer
 from tests.vllm.server import VLLMEnv, VLLMServer, locate, running_vllm

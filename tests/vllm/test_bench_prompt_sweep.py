@@ -20,7 +20,7 @@ def test_prompt_sweep_shows_prefill_in_ttft_not_in_itl(
     vllm_server: VLLMServer, vllm_proxy: Proxy, sqlite_url: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "bench"
-    command = [sys.executable, "-m", "app.cli", "bench", "prompt", "--url", vllm_proxy.url,
+    command = [sys.executable, "-m", "phasewatch.cli", "bench", "prompt", "--url", vllm_proxy.url,
                "--prompt-tokens", *map(str, PROMPTS), "--max-tokens", "24", "--requests", "3",
                "--database-url", sqlite_url, "--out", str(out), "--no-plots", "--quiet"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from app.engine import parse_engine_metrics
+from phasewatch.engine import parse_engine_metrics
 from tests.conftest import Proxy
 from tests.vllm.engine_metrics import Snapshot
 from tests.vllm.server import VLLMServer

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from app.proxy.live import LiveStreams
+from phasewatch.proxy.live import LiveStreams
 from tests.conftest import Proxy
 from tests.vllm.engine_metrics import Snapshot
 from tests.vllm.server import VLLMServer

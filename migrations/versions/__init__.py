@@ -1,0 +1,1 @@
+"""The revisions, oldest first by number; Alembic loads each file by path."""
