@@ -26,7 +26,7 @@ DEMO_TIME_SCALE = 2.0
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from phasewatch.core.db import MissingDriver, create_engine
+    from phasewatch.core.db import MissingDriver, require_driver
     from phasewatch.core.event_loop import loop_name
     from phasewatch.proxy.client_leg import PhasewatchHttpProtocol
     from phasewatch.serve import prepare_serving
@@ -50,9 +50,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         # The workers' environment, the open-file limit, the schema once.
+        require_driver(settings.database_url)  # said here, not in every worker
         connections = prepare_serving(settings, overrides)
-        if settings.workers == 1:
-            create_engine(settings.database_url)  # a missing driver is said here, not in a worker
     except (SchemaError, MissingDriver) as exc:
         print(f"phasewatch: {exc}", file=sys.stderr)
         return 2

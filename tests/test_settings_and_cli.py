@@ -84,3 +84,14 @@ def test_serve_runs_where_uvloop_is_not_installed(scripted_url: str, tmp_path: P
             proc.wait(timeout=30)
     text = log.read_text()
     assert "asyncio event loop (uvloop is not installed), httptools HTTP parser" in text, text
+
+
+def test_a_postgres_url_without_its_driver_says_what_to_install() -> None:
+    launcher = ("import sys; sys.modules['asyncpg'] = None; from phasewatch.cli import main; "
+                "sys.exit(main(['serve']))")
+    env = {**os.environ,
+           "PHASEWATCH_DATABASE_URL": "postgresql+asyncpg://postgres@127.0.0.1:5432/test"}
+    done = subprocess.run([sys.executable, "-c", launcher], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'phasewatch[postgres]'" in done.stderr

@@ -29,11 +29,16 @@ class MissingDriver(RuntimeError):
     """The database URL names a driver this installation lacks; the message says what to run."""
 
 
+def require_driver(url: str) -> None:
+    """Raise MissingDriver when `url` needs a driver this installation lacks."""
+    if not is_sqlite(url) and find_spec("asyncpg") is None:
+        raise MissingDriver("PHASEWATCH_DATABASE_URL is a PostgreSQL URL, whose driver "
+                            "(asyncpg) is not installed: pip install 'phasewatch[postgres]'")
+
+
 def create_engine(url: str) -> AsyncEngine:
+    require_driver(url)
     if not is_sqlite(url):
-        if find_spec("asyncpg") is None:
-            raise MissingDriver("PHASEWATCH_DATABASE_URL is a PostgreSQL URL, whose driver "
-                                "(asyncpg) is not installed: pip install 'phasewatch[postgres]'")
         return create_async_engine(url, pool_size=5, max_overflow=5, pool_pre_ping=True)
     database = make_url(url).database
     if database and database != ":memory:":
