@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -28,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from phasewatch.core.db import MissingDriver, require_driver
     from phasewatch.core.event_loop import loop_name
+    from phasewatch.otel import OtelConfigError, check_otel
     from phasewatch.proxy.client_leg import PhasewatchHttpProtocol
     from phasewatch.serve import prepare_serving
     from phasewatch.store.migrate import SchemaError
@@ -51,8 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # The workers' environment, the open-file limit, the schema once.
         require_driver(settings.database_url)  # said here, not in every worker
+        if settings.otel_enabled:
+            check_otel(os.environ)
         connections = prepare_serving(settings, overrides)
-    except (SchemaError, MissingDriver) as exc:
+    except (SchemaError, MissingDriver, OtelConfigError) as exc:
         print(f"phasewatch: {exc}", file=sys.stderr)
         return 2
     loop = loop_name()

@@ -24,10 +24,10 @@ from datetime import timedelta
 from typing import Any
 
 import aiohttp
-from fastapi import Depends, FastAPI, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import make_url
 from starlette.datastructures import State
 from starlette.exceptions import HTTPException
@@ -55,6 +55,7 @@ from phasewatch.diagnosis.metrics import DiagnosisMetrics
 from phasewatch.diagnosis.service import DiagnosisService
 from phasewatch.engine.metrics import EngineScrapeMetrics
 from phasewatch.engine.scraper import EngineScraper
+from phasewatch.otel import check_otel
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
 from phasewatch.proxy.client_leg import SHUTDOWN_HOOK
 from phasewatch.proxy.context import ProxyContext
@@ -127,6 +128,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         metrics = ProxyMetrics(registry, settings.slo_ttft_s, settings.slo_itl_s)
+        otel = None
+        if settings.otel_enabled:  # only then is OpenTelemetry imported (app/otel)
+            check_otel(os.environ)
+            from phasewatch.otel.export import OtelExport
+            otel = OtelExport(settings.slo_ttft_s, settings.slo_itl_s,
+                              settings.otel_provider_name, settings.upstream_base)
         engine = create_engine(settings.database_url)
         try:
             await prepare_schema(engine, settings.database_url, settings.database_auto_upgrade)
@@ -158,6 +165,9 @@ def create_app(
             passthrough_timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=settings.upstream_connect_timeout_s,
                 sock_read=settings.upstream_idle_timeout_s),
+            # prometheus_client keeps no exemplars under several workers.
+            exemplars=settings.exemplars and not exposition.multiprocess,
+            otel=otel,
         )
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
@@ -215,7 +225,10 @@ def create_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             await session.close()
             pool.close()
-            await writer.flush(timeout_s=settings.shutdown_flush_s)
+            # The records and the last OpenTelemetry export, side by side in the same bound.
+            await asyncio.gather(
+                writer.flush(timeout_s=settings.shutdown_flush_s),
+                *([otel.shutdown(settings.shutdown_flush_s)] if otel is not None else []))
             await engine.dispose()
 
     app = FastAPI(title="phasewatch", version=__version__, lifespan=lifespan)
@@ -229,8 +242,9 @@ def create_app(
         app.include_router(router, dependencies=[Depends(reject_nul)])
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(await exposition.latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        data, content_type = await exposition.latest(request.headers.get("accept", ""))
+        return Response(data, media_type=content_type)
 
     @app.get("/api/ready", responses={503: {"description": "not ready: shutting down, or "
                                                  "records cannot be stored"}})

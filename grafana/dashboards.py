@@ -57,8 +57,9 @@ ENGINE_COMPARISONS: tuple[tuple[SloName, str, float], ...] = (
 )
 
 
-def query(expr: str, legend: str, ref: str, fmt: str = "time_series") -> prometheus.Dataquery:
-    return (
+def query(expr: str, legend: str, ref: str, fmt: str = "time_series",
+          exemplars: bool = False) -> prometheus.Dataquery:
+    built = (
         prometheus.Dataquery()
         .expr(expr)
         .legend_format(legend)
@@ -67,10 +68,13 @@ def query(expr: str, legend: str, ref: str, fmt: str = "time_series") -> prometh
         .datasource(DATASOURCE)
         .range()
     )
+    return built.exemplar(True) if exemplars else built
 
 
 def series(title: str, description: str, unit: str, queries: list[tuple[str, str]],
-           width: int = 12, height: int = 8) -> timeseries.Panel:
+           width: int = 12, height: int = 8, exemplars: bool = False) -> timeseries.Panel:
+    """A time series panel; with `exemplars`, its first query also shows the exemplars of its
+    histogram (a dot per request id, linked by the datasource's exemplar link)."""
     panel = (
         timeseries.Panel()
         .title(title)
@@ -90,7 +94,8 @@ def series(title: str, description: str, unit: str, queries: list[tuple[str, str
                  .sort(common_models.SortOrder.DESCENDING))
     )
     for index, (expr, legend) in enumerate(queries):
-        panel = panel.with_target(query(expr, legend, chr(ord("A") + index)))
+        panel = panel.with_target(query(expr, legend, chr(ord("A") + index),
+                                        exemplars=exemplars and index == 0))
     return panel
 
 
@@ -141,11 +146,14 @@ def quantiles(spec: SloSpec, slo: SloName) -> timeseries.Panel:
         f"{TITLE[slo]} p50 / p95 / p99",
         f"Quantiles of {histogram} per model, interpolated within buckets; the dashed line is "
         f"the SLO threshold ({threshold:g} s). The SLO itself is counted exactly from the "
-        "bucket at that edge (burn-rate panels).",
+        "bucket at that edge (burn-rate panels). Dots are exemplars: one request that landed "
+        "in a bucket (for ITL, a request's largest gap so far); its link opens that request's "
+        "record in phasewatch's API.",
         "s",
         [(f"histogram_quantile({q}, sum by (le, model) "
           f"(rate({histogram}_bucket{{{PROXY}}}[{RATE}])))", f"p{int(q * 100)} {{{{model}}}}")
          for q in (0.5, 0.95, 0.99)],
+        exemplars=True,
     )
     return threshold_lines(panel, [(threshold, "red")])
 

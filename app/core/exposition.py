@@ -15,6 +15,11 @@ its `MultiProcessCollector`:
   processes that are gone are removed (`mark_process_dead`), so a killed worker leaves no
   series behind and its in-flight requests stop counting.
 
+A scrape gets the format it asks for in `Accept`, as prometheus_client's own handler decides:
+OpenMetrics when the scraper offers it (Prometheus does by default), which is the format that
+carries exemplars (the request ids on TTFT and ITL buckets, app/core/metrics.py); the classic
+text format otherwise. Names and values are the same in both.
+
 This module only reads and prunes those files; the metrics themselves are built, on an
 injected registry, by the modules that own them (app/core/metrics.py and the packages').
 """
@@ -27,11 +32,15 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest, values
+from prometheus_client import CollectorRegistry, values
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+# Formats (content types, as `Accept` chose them) kept rendered; others get the text format.
+MAX_FORMATS = 4
 # The live-gauge files prometheus_client writes: gauge_<live mode>_<pid>.db
 LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
 
@@ -71,22 +80,30 @@ def prune_dead_workers(path: Path) -> list[int]:
     return sorted(dead)
 
 
+@dataclass(slots=True)
+class _Rendered:
+    """One format's latest render, and the render under way, if any."""
+
+    data: bytes = b""
+    at: float = -math.inf
+    rendering: asyncio.Future[bytes] | None = None
+
+
 class Exposition:
     """The bytes of one scrape of `/metrics`.
 
-    `latest()` is what the endpoint serves: rendered in a worker thread, never on the relay's
-    event loop; one render at a time, shared by every scrape that arrives while it runs; and
-    reused for `max_age_s` after it started, so a storm of scrapers costs at most one render
-    per `max_age_s` however many there are (rendering walks every series under the GIL).
+    `latest(accept)` is what the endpoint serves, in the format `accept` asks for: rendered in
+    a worker thread, never on the relay's event loop; one render per format at a time, shared
+    by every scrape that arrives while it runs; and reused for `max_age_s` after it started,
+    so a storm of scrapers costs at most one render per format per `max_age_s` however many
+    there are (rendering walks every series under the GIL).
     """
 
     def __init__(self, registry: CollectorRegistry, multiprocess_dir: Path | None,
                  max_age_s: float = 0.0) -> None:
         self.multiprocess_dir = multiprocess_dir
         self.max_age_s = max_age_s
-        self._cached = b""
-        self._cached_at = -math.inf
-        self._rendering: asyncio.Future[bytes] | None = None
+        self._formats: dict[str, _Rendered] = {}  # by content type: two at most
         if multiprocess_dir is None:
             self._registry = registry
         else:
@@ -104,23 +121,33 @@ class Exposition:
     def multiprocess(self) -> bool:
         return self.multiprocess_dir is not None
 
-    def render(self) -> bytes:
+    def render(self, accept: str = "") -> bytes:
+        encoder, _ = choose_encoder(accept)
         if self.multiprocess_dir is not None:
             prune_dead_workers(self.multiprocess_dir)
-        return generate_latest(self._registry)
+        return encoder(self._registry)
 
-    async def latest(self) -> bytes:
-        if time.monotonic() - self._cached_at < self.max_age_s:
-            return self._cached
-        if self._rendering is None:
-            self._rendering = asyncio.ensure_future(self._render())
-        return await asyncio.shield(self._rendering)  # one scraper leaving cancels no render
+    async def latest(self, accept: str = "") -> tuple[bytes, str]:
+        """The scrape's body and its content type."""
+        _, content_type = choose_encoder(accept)
+        rendered = self._formats.get(content_type)
+        if rendered is None:
+            if len(self._formats) >= MAX_FORMATS:  # `Accept` is the client's: stay bounded
+                accept = ""
+                _, content_type = choose_encoder(accept)
+            rendered = self._formats.setdefault(content_type, _Rendered())
+        if time.monotonic() - rendered.at < self.max_age_s:
+            return rendered.data, content_type
+        if rendered.rendering is None:
+            rendered.rendering = asyncio.ensure_future(self._render(rendered, accept))
+        # One scraper leaving cancels no render.
+        return await asyncio.shield(rendered.rendering), content_type
 
-    async def _render(self) -> bytes:
+    async def _render(self, rendered: _Rendered, accept: str) -> bytes:
         try:
             started = time.monotonic()
-            data = await asyncio.to_thread(self.render)
-            self._cached, self._cached_at = data, started
+            data = await asyncio.to_thread(self.render, accept)
+            rendered.data, rendered.at = data, started
             return data
         finally:
-            self._rendering = None
+            rendered.rendering = None

@@ -42,6 +42,21 @@ PROXY_QUEUE_BUCKETS = (
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(0, 18))
 
 
+# OpenMetrics allows 128 characters of exemplar labels, names included: a request id longer
+# than this (a client's own x-request-id can be) gets no exemplar rather than a cut one.
+EXEMPLAR_MAX_ID = 64
+
+
+def request_exemplar(request_id: str, trace_id: str | None) -> dict[str, str] | None:
+    """The exemplar a request's TTFT and ITL observations carry: its id (what
+    `/api/requests?request_id=` finds), and its trace id when OpenTelemetry traces it."""
+    if len(request_id) > EXEMPLAR_MAX_ID:
+        return None
+    if trace_id is None:
+        return {"request_id": request_id}
+    return {"request_id": request_id, "trace_id": trace_id}
+
+
 def with_edges(buckets: tuple[float, ...], *edges: float) -> tuple[float, ...]:
     """`buckets` plus each of `edges` as an exact bucket boundary, sorted."""
     return tuple(sorted(set(buckets) | set(edges)))

@@ -77,6 +77,16 @@ class Settings(BaseSettings):
     # A scrape of /metrics is rendered off the event loop and reused for this long, so that
     # any number of scrapers costs at most one render per interval.
     metrics_cache_s: float = Field(default=1.0, ge=0)
+    # TTFT and ITL buckets carry the id of a request that landed in them (OpenMetrics
+    # exemplars, served when the scraper asks for OpenMetrics; one process only: under
+    # several workers prometheus_client keeps none).
+    exemplars: bool = True
+    # OpenTelemetry (README, "OpenTelemetry (OTLP)"): with the `otel` extra installed, export
+    # the GenAI metrics and one span per relayed request over OTLP/HTTP, configured by the
+    # standard OTEL_* variables. Off by default; off, no OpenTelemetry code runs.
+    otel_enabled: bool = False
+    # `gen_ai.provider.name` on what is exported: the engine behind the proxy.
+    otel_provider_name: str = Field(default="vllm", min_length=1, max_length=64)
     # uvicorn's access log (one line per request, with its path and query string, which can
     # carry what clients consider private): off unless an operator turns it on.
     access_log: bool = False

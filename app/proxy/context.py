@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -14,6 +15,9 @@ from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveStreams
 from phasewatch.proxy.shutdown import Shutdown
 from phasewatch.proxy.upstream_pool import UpstreamPool
+
+if TYPE_CHECKING:  # imported only when switched on: it needs the `otel` extra
+    from phasewatch.otel.export import OtelExport
 
 
 @dataclass(slots=True)
@@ -29,4 +33,6 @@ class ProxyContext:
     admin: AdminAccess  # who may file requests under a run (x-phasewatch-run-id)
     shutdown: Shutdown  # serving, draining or ending
     passthrough_timeout: aiohttp.ClientTimeout
+    exemplars: bool = False  # TTFT and ITL observations carry the request's id
+    otel: OtelExport | None = None  # None: OpenTelemetry is off, and none of it runs
     in_flight: int = 0

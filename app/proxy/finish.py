@@ -1,28 +1,41 @@
 """Finishing a request: its end-of-request figures into metrics and its record onto the queue.
 
 Runs in the relay's `finally`, after the last byte went to the client. It must never raise:
-a fault in metrics or records is logged and swallowed, never turned into a client error.
+a fault in metrics, records or the OpenTelemetry export is logged and swallowed, never turned
+into a client error; the record is queued before anything is exported.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.timing import StreamTiming, figures
 
+if TYPE_CHECKING:
+    from phasewatch.otel.export import RequestTrace
+
 log = logging.getLogger(__name__)
 
 
-def finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> None:
+def finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming,
+           request_trace: RequestTrace | None = None) -> None:
     try:
-        _finish(ctx, record, timing)
+        label = _finish(ctx, record, timing)
     except Exception:
         log.exception("could not finish the record of request %s", record.request_id)
+        return
+    if ctx.otel is not None:
+        try:
+            ctx.otel.finish(request_trace, record, label, timing.arrival_ns)
+        except Exception:
+            log.exception("could not export request %s to OpenTelemetry", record.request_id)
 
 
-def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> None:
+def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> str:
+    """Observe the end-of-request metrics and queue the record; the model's label."""
     timing.settle()
     figs = figures(timing)
     status = record.http_status
@@ -53,3 +66,4 @@ def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> N
     (record.itl_count, record.itl_mean_s, record.itl_p50_s, record.itl_p95_s,
      record.itl_max_s) = figs.itl
     ctx.records.offer(record)
+    return label

@@ -25,11 +25,12 @@ from collections.abc import Coroutine
 from datetime import UTC, datetime
 from enum import Enum
 from time import perf_counter_ns
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
 from phasewatch.core.live import InFlight
+from phasewatch.core.metrics import request_exemplar
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.asgi import (
     NOT_FORWARDED,
@@ -57,6 +58,9 @@ from phasewatch.proxy.shutdown import Stage
 from phasewatch.proxy.stream import StreamFeed
 from phasewatch.proxy.timing import NS, StreamTiming
 from phasewatch.proxy.upstream_pool import UpstreamConnection
+
+if TYPE_CHECKING:  # imported only when switched on: it needs the `otel` extra
+    from phasewatch.otel.export import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ async def relay(
     )
     ctx.in_flight += 1
     ctx.metrics.in_flight.inc()
+    request_trace = None
     try:
         if ctx.shutdown.stage is Stage.ENDING:
             record.outcome, record.http_status = Outcome.SHUTDOWN, 503
@@ -126,8 +131,11 @@ async def relay(
         plan = plan_request(body, ctx.settings.upstream_continuous_usage)
         record.model, record.stream = plan.model, plan.stream
         timing.single_choice = plan.single_choice
+        if ctx.otel is not None:
+            request_trace = ctx.otel.begin(scope["headers"], endpoint, plan.model, plan.stream,
+                                           arrival_ns)
         ctx.metrics.proxy_queue.observe((perf_counter_ns() - arrival_ns) / NS)
-        await Exchange(ctx, scope, plan, record, timing, leg).run(receive, send)
+        await Exchange(ctx, scope, plan, record, timing, leg, request_trace).run(receive, send)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
     except BodyTooLarge as exc:
@@ -138,7 +146,7 @@ async def relay(
             timing.end_ns = perf_counter_ns()
         ctx.in_flight -= 1
         ctx.metrics.in_flight.dec()
-        finish(ctx, record, timing)
+        finish(ctx, record, timing, request_trace)
 
 
 class Exchange:
@@ -146,12 +154,14 @@ class Exchange:
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
                  "_headers", "_leg", "_lost", "_pending", "_pending_size", "_plan", "_record",
-                 "_responded", "_scope", "_status", "_task", "_timing", "_wake",
+                 "_responded", "_scope", "_status", "_task", "_timing", "_trace", "_wake",
                  "client_blocked_ns", "label", "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
-                 record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None) -> None:
+                 record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None,
+                 request_trace: RequestTrace | None = None) -> None:
         self._ctx = ctx
+        self._trace = request_trace  # its span's context replaces the client's upstream
         self._scope = scope
         self._plan = plan
         self._record = record
@@ -251,6 +261,10 @@ class Exchange:
             self.label = ctx.labels.label(self._plan.model, True)
             bound = ctx.metrics.bind(self.label, self._record.endpoint)
             timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.itl.observe
+            if ctx.exemplars:
+                trace = self._trace
+                timing.exemplar = request_exemplar(
+                    self._record.request_id, trace.trace_id if trace is not None else None)
             self._feed = StreamFeed(self._plan, self._record, timing)
             self._move(Phase.STREAMING)
         else:
@@ -339,7 +353,14 @@ class Exchange:
         target: bytes = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in NOT_FORWARDED]
+        trace = self._trace
+        if trace is None:
+            headers = [(k, v) for k, v in scope["headers"] if k not in NOT_FORWARDED]
+        else:  # the engine's spans become children of phasewatch's
+            fields = ctx.otel.trace_fields if ctx.otel is not None else frozenset()
+            headers = [(k, v) for k, v in scope["headers"]
+                       if k not in NOT_FORWARDED and k not in fields]
+            headers.extend(trace.upstream_headers)
         headers.append((REQUEST_ID, record.request_id.encode("latin-1")))
         request = ctx.pool.request(b"POST", target, headers, self._plan.body)
         for attempt in range(2):

@@ -49,10 +49,14 @@ log = logging.getLogger(__name__)
 NS = 1_000_000_000
 PENDING_LIMIT = 8192  # events that may wait for the final usage (16 bytes each)
 
-Observe = Callable[[float], None]
+# A histogram's `observe(value, exemplar)`: the exemplar (the request's id) goes with a TTFT
+# and with each gap that is the largest of its stream so far, so a bucket's exemplar names a
+# request whose worst gap fell in it (a few per stream, not one per token).
+Exemplar = dict[str, str]
+Observe = Callable[[float, Exemplar | None], None]
 
 
-def _nowhere(_: float) -> None:
+def _nowhere(_: float, __: Exemplar | None = None) -> None:
     pass
 
 
@@ -71,6 +75,7 @@ class StreamTiming:
     # Where TTFT and ITL samples go as they are measured (the relay binds the histograms).
     observe_ttft: Observe = _nowhere
     observe_itl: Observe = _nowhere
+    exemplar: Exemplar | None = None  # None: no exemplars
     counting: Counting = Counting.PENDING
     first_output_ns: int | None = None
     last_output_ns: int | None = None  # the last event that carried tokens
@@ -128,18 +133,19 @@ class StreamTiming:
             self.pending_gaps, self.pending_chars = array("q"), array("q")
         self.first_output_ns = self.last_output_ns = now_ns
         try:
-            self.observe_ttft((now_ns - self.arrival_ns) / NS)
+            self.observe_ttft((now_ns - self.arrival_ns) / NS, self.exemplar)
         except Exception:  # metrics must never break a stream
             log.exception("could not observe a TTFT")
 
     def _itl(self, gap_s: float, tokens: int) -> None:
-        self.gaps.add(gap_s, tokens)
+        gaps = self.gaps
+        exemplar = self.exemplar if gap_s > gaps.largest else None
+        gaps.add(gap_s, tokens)
         try:
-            if tokens == 1:
-                self.observe_itl(gap_s)
-            else:
-                for _ in range(tokens):
-                    self.observe_itl(gap_s)
+            self.observe_itl(gap_s, exemplar)
+            if tokens > 1:
+                for _ in range(tokens - 1):
+                    self.observe_itl(gap_s, None)
         except Exception:  # metrics must never break a stream
             log.exception("could not observe an ITL")
 

@@ -5,7 +5,8 @@ The simulator and `phasewatch serve` (uvicorn) run as subprocesses on loopback; 
 deploy/prometheus.yml pointed at them, a 1 s scrape and evaluation interval, and the rendered
 SLO rules. Streaming traffic goes through the proxy; then each panel query of the committed
 dashboard JSON, with Grafana's variables substituted, must return data. The rules must load
-and evaluate without error.
+and evaluate without error. The exemplars on the TTFT and ITL buckets are scraped (Prometheus
+negotiates OpenMetrics) and name requests the proxy's API has stored.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def stack(prometheus_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         log = (tmp / "prometheus.log").open("wb")
         prometheus = subprocess.Popen(
             [prometheus_bin, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
-             f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn"],
+             f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn",
+             "--enable-feature=exemplar-storage"],  # as docker-compose.yml runs it
             stdout=log, stderr=subprocess.STDOUT,
         )
         try:
@@ -208,3 +210,22 @@ def test_queries_that_return_nothing_are_caught(stack: Stack) -> None:
                              '{model=~"$model"}[$__rate_interval]))')]
     assert len(unanswered(stack, wrong, patience_s=0.0)) == 2
 
+
+
+def test_exemplars_are_scraped_and_name_stored_requests(stack: Stack) -> None:
+    now = time.time()
+    found: dict[str, set[str]] = {}
+    for histogram in ("phasewatch_time_to_first_token_seconds",
+                      "phasewatch_inter_token_latency_seconds"):
+        response = httpx.get(stack.prometheus + "/api/v1/query_exemplars", params={
+            "query": f"{histogram}_bucket", "start": now - 600, "end": now + 60}, timeout=10)
+        body = response.json()
+        assert response.status_code == 200 and body["status"] == "success", body
+        found[histogram] = {exemplar["labels"]["request_id"]
+                            for series in body["data"] for exemplar in series["exemplars"]}
+    assert all(found.values()), f"no exemplars scraped: {found}"
+    # Each names a request whose record the proxy stored.
+    request_id = sorted(found["phasewatch_inter_token_latency_seconds"])[0]
+    items = httpx.get(stack.proxy + "/api/requests",
+                      params={"request_id": request_id}).json()["items"]
+    assert [item["request_id"] for item in items] == [request_id]

@@ -20,9 +20,23 @@ from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.gap_summary import GapSummary
 from phasewatch.proxy.request_plan import plan_request
 from phasewatch.proxy.stream import StreamFeed
-from phasewatch.proxy.timing import NS, PENDING_LIMIT, StreamTiming, figures
+from phasewatch.proxy.timing import NS, PENDING_LIMIT, Exemplar, StreamTiming, figures
 
 MS = 1_000_000
+
+
+class Observed(list[float]):
+    """A histogram's `observe(value, exemplar)` for the tests: the values, in order, and the
+    (value, exemplar) pairs that came with an exemplar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exemplars: list[tuple[float, Exemplar]] = []
+
+    def observe(self, value: float, exemplar: Exemplar | None = None) -> None:
+        self.append(value)
+        if exemplar is not None:
+            self.exemplars.append((value, exemplar))
 
 
 @pytest.mark.parametrize(
@@ -122,9 +136,9 @@ def test_add_fingerprint_writes_the_chunk_vllm_would_have_sent() -> None:
 
 
 def test_timing_with_exact_running_usage_observes_as_tokens_arrive() -> None:
-    ttfts: list[float] = []
-    itl: list[float] = []
-    t = StreamTiming(arrival_ns=0, observe_ttft=ttfts.append, observe_itl=itl.append)
+    ttfts = Observed()
+    itl = Observed()
+    t = StreamTiming(arrival_ns=0, observe_ttft=ttfts.observe, observe_itl=itl.observe)
     t.event(100 * MS, cumulative=1, chars=3)  # first token at 100 ms
     assert ttfts == [pytest.approx(0.1)] and itl == []  # TTFT observed when it happens
     t.event(120 * MS, cumulative=2, chars=3)  # one token after 20 ms
@@ -146,8 +160,8 @@ def test_first_token_is_the_first_count_above_zero_even_without_text() -> None:
     """vLLM can send a first chunk with empty text (a partial UTF-8 character) whose running
     usage already counts one token: that chunk is the first token, and a stream of n tokens
     has n - 1 gaps."""
-    itl: list[float] = []
-    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    itl = Observed()
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.observe)
     t.event(10 * MS, cumulative=0, chars=0)  # nothing yet (not sent by the feed, but harmless)
     assert t.first_output_ns is None
     t.event(50 * MS, cumulative=1, chars=0)  # the partial character: token 1
@@ -183,8 +197,8 @@ def test_feed_takes_an_empty_chunk_whose_count_rose_as_the_first_token() -> None
 
 
 def test_timing_estimates_tokens_from_characters_without_running_usage() -> None:
-    itl: list[float] = []
-    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    itl = Observed()
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.observe)
     t.event(10 * MS, None, chars=4)
     t.event(40 * MS, None, chars=12)  # three times the text of its neighbours
     t.event(50 * MS, None, chars=4)
@@ -200,8 +214,8 @@ def test_timing_estimates_tokens_from_characters_without_running_usage() -> None
 def test_running_usage_of_several_choices_is_not_taken_as_exact() -> None:
     """n=2: vLLM's running usage counts per choice, not per stream. Choice A's chunks carry
     1, 2 and 1 tokens, B's 1 each, interleaved: the running counts go 1, 1, 3, 2, 4, 3."""
-    itl: list[float] = []
-    t = StreamTiming(arrival_ns=0, single_choice=False, observe_itl=itl.append)
+    itl = Observed()
+    t = StreamTiming(arrival_ns=0, single_choice=False, observe_itl=itl.observe)
     for i, (cumulative, chars) in enumerate(
         [(1, 2), (1, 2), (3, 4), (2, 2), (4, 2), (3, 2)], start=1
     ):
@@ -221,8 +235,8 @@ def test_plan_says_whether_the_request_asks_one_choice() -> None:
 
 
 def test_timing_one_token_per_chunk_counts_as_exact_when_totals_agree() -> None:
-    itl: list[float] = []
-    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    itl = Observed()
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.observe)
     for i in range(1, 4):
         t.event(i * 10 * MS, None, chars=2)
     t.completion_tokens, t.end_ns = 3, 30 * MS
@@ -232,8 +246,8 @@ def test_timing_one_token_per_chunk_counts_as_exact_when_totals_agree() -> None:
 
 
 def test_estimated_events_wait_in_bounded_memory() -> None:
-    itl: list[float] = []
-    t = StreamTiming(arrival_ns=0, observe_itl=itl.append)
+    itl = Observed()
+    t = StreamTiming(arrival_ns=0, observe_itl=itl.observe)
     events = PENDING_LIMIT + 101
     for i in range(1, events + 1):
         t.event(i * MS, None, chars=1)
@@ -250,8 +264,29 @@ def test_timing_without_output_has_no_ttft() -> None:
     assert (f.ttft_s, f.e2e_s, f.itl, f.tpot_s) == (None, 1.0, (0, None, None, None, None), None)
 
 
+def test_exemplars_go_with_the_ttft_and_each_new_largest_gap_only() -> None:
+    ttfts, itl = Observed(), Observed()
+    ids = {"request_id": "r1"}
+    t = StreamTiming(arrival_ns=0, observe_ttft=ttfts.observe, observe_itl=itl.observe,
+                     exemplar=ids)
+    t.event(100 * MS, cumulative=1, chars=1)
+    for tokens, at_ms in ((2, 120), (3, 130), (4, 170), (5, 180), (7, 280), (8, 290)):
+        t.event(at_ms * MS, cumulative=tokens, chars=1)
+    assert ttfts.exemplars == [(pytest.approx(0.1), ids)]
+    # Gaps 20, 10, 40, 10, 50 (x2: two tokens in one event), 10 ms: new largest at 20, 40, 50,
+    # and the two-token event's exemplar goes with its first sample only.
+    assert [value for value, _ in itl.exemplars] == pytest.approx([0.02, 0.04, 0.05])
+    assert len(itl) == 7
+    # Without an exemplar (the default), none is ever passed.
+    quiet = Observed()
+    t = StreamTiming(arrival_ns=0, observe_ttft=quiet.observe, observe_itl=quiet.observe)
+    t.event(10 * MS, 1, 1)
+    t.event(30 * MS, 2, 1)
+    assert len(quiet) == 2 and quiet.exemplars == []
+
+
 def test_a_failing_histogram_never_breaks_the_stream() -> None:
-    def broken(_: float) -> None:
+    def broken(_: float, __: object = None) -> None:
         raise RuntimeError("metrics are down")
 
     t = StreamTiming(arrival_ns=0, observe_ttft=broken, observe_itl=broken)

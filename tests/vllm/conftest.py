@@ -4,6 +4,7 @@ One vLLM serves the whole session. Without the environment (built by `make vllm-
 tests are skipped with a reason that says so; under CI (CI=true) they fail instead, since
 .ci/run builds it first. Other tests about vLLM (the metrics scraper, `phasewatch bench`) can
 live in this folder and take `vllm_server`: its base URL, served model name and model dir.
+That vLLM exports its request spans to `otlp_receiver` (tests/vllm/test_otel.py reads them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from phasewatch.core.settings import load_settings
 from phasewatch.main import create_app
 from tests.conftest import Proxy
+from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.servers import ThreadServer
 from tests.vllm.server import VLLMEnv, VLLMServer, locate, running_vllm
 
@@ -50,9 +52,16 @@ def vllm_env() -> VLLMEnv:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_env: VLLMEnv,
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """Where the session's vLLM exports its request spans (OTLP/HTTP on loopback)."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_env: VLLMEnv, otlp_receiver: OtlpReceiver,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    with running_vllm(vllm_env, tmp_path_factory.mktemp("vllm")) as server:
+    with running_vllm(vllm_env, tmp_path_factory.mktemp("vllm"), otlp_receiver.url) as server:
         yield server
 
 

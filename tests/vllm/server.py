@@ -84,7 +84,10 @@ def server_env(env: VLLMEnv) -> dict[str, str]:
 
 
 @contextmanager
-def running_vllm(env: VLLMEnv, log_dir: Path) -> Iterator[VLLMServer]:
+def running_vllm(env: VLLMEnv, log_dir: Path,
+                 otlp_traces_url: str | None = None) -> Iterator[VLLMServer]:
+    """`otlp_traces_url`: an OTLP/HTTP receiver's base URL, to which vLLM exports its request
+    spans (their parent is the `traceparent` a request arrives with)."""
     port = free_port()
     log_path = log_dir / "vllm-server.log"
     args = [
@@ -100,9 +103,14 @@ def running_vllm(env: VLLMEnv, log_dir: Path) -> Iterator[VLLMServer]:
         "--enforce-eager",
         "--seed", "0",
     ]
+    environment = server_env(env)
+    if otlp_traces_url is not None:
+        args += ["--otlp-traces-endpoint", f"{otlp_traces_url}/v1/traces"]
+        environment.update(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+                           OTEL_BSP_SCHEDULE_DELAY="200", OTEL_SERVICE_NAME="vllm")
     with log_path.open("wb") as log:
         # Its own process group, so the engine and worker processes it forks stop with it.
-        proc = subprocess.Popen(args, env=server_env(env), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(args, env=environment, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
