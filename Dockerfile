@@ -4,7 +4,8 @@
 #            wheel, installed by deploy/install-runtime.sh (the tests run the same script) into
 #            /opt/phasewatch, run as a non-root user. No source tree, no compiler, no editable
 #            install: migrations ship inside the package.
-# The same image runs the simulator (`phasewatch sim`) for machines without a GPU
+# The image holds the `postgres` and `otel` extras (OpenTelemetry stays off unless
+# PHASEWATCH_OTEL_ENABLED is set). The same image runs the simulator (`phasewatch sim`) for machines without a GPU
 # (docker-compose.yml, profile `sim`).
 FROM python:3.11-slim AS build
 WORKDIR /src

@@ -40,11 +40,11 @@ vllm-env:
 bench-overhead: install
 	$(BIN)/python benchmarks/proxy_overhead.py
 
-# requirements.lock: every version and hash the image installs (the core and the postgres
-# extra), resolved by uv from pyproject.toml; tests/test_packaging.py fails when they disagree.
+# requirements.lock: every version and hash the image installs (the core, the postgres and otel
+# extras), resolved by uv from pyproject.toml; tests/test_packaging.py fails when they disagree.
 lock: install
 	$(BIN)/pip install -q uv
-	$(BIN)/uv pip compile pyproject.toml --extra postgres --python-version 3.11 \
+	$(BIN)/uv pip compile pyproject.toml --extra postgres --extra otel --python-version 3.11 \
 		--python-platform linux --generate-hashes --custom-compile-command "make lock" \
 		-o requirements.lock
 

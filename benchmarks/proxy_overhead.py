@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -230,11 +231,13 @@ def start_upstream(args: argparse.Namespace, tmp: Path) -> Server:
     return server
 
 
-def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1) -> Server:
+def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1, name: str | None = None,
+                     extra_env: dict[str, str] | None = None) -> Server:
     port = free_port()
-    name = "phasewatch" if workers == 1 else f"phasewatch-w{workers}"
+    name = name or ("phasewatch" if workers == 1 else f"phasewatch-w{workers}")
     env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
-           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / (name + '.db')}"}
+           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / (name + '.db')}",
+           **(extra_env or {})}
     server = spawn(name, [
         sys.executable, "-m", "phasewatch.cli", "serve", "--upstream", upstream.url,
         "--port", str(port),
@@ -242,6 +245,43 @@ def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1) -> Server:
     ], tmp, port, env)
     wait_ready(server, "/api/health")
     return server
+
+
+def source_env(source: Path, tmp: Path) -> dict[str, str]:
+    """Run phasewatch from another checkout (`source`, e.g. a git worktree of the previous
+    commit): its `app/` under the import name, ahead of this checkout's editable install."""
+    if not (source / "app" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline-source {source}: no app/ package there")
+    shim = tmp / "baseline-source"
+    shim.mkdir()
+    (shim / "phasewatch").symlink_to(source.resolve() / "app")
+    return {"PYTHONPATH": str(shim)}
+
+
+class OtlpSink:
+    """Where the `pw+otel` path exports: accepts every OTLP/HTTP request and answers 200 with
+    an empty body (what a collector's success looks like to the exporter); counts the bytes."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        sink = self
+        self.requests = self.bytes = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                sink.bytes += len(self.rfile.read(int(self.headers.get("content-length", 0))))
+                sink.requests += 1
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 def nginx_version(nginx: str) -> str:
@@ -572,6 +612,15 @@ def print_level(shape: Shape, summary: dict[str, Any], paths: Sequence[str],
         print(f"phasewatch adds {fmt(pw['added_ttft_p99_ms'], ' ms', True)} TTFT p99, "
               f"{fmt(pw['added_lag_p99_ms'], ' ms', True)} chunk lag p99; CPU/chunk "
               f"{fmt(pw['proxy_cpu_us_per_chunk'], ' us', digits=1)} (nginx not measured)")
+    for other, what in (("pw@base", "the baseline checkout"), ("pw+otel", "OpenTelemetry on")):
+        if other in summary and pw:
+            o = summary[other]
+            mine, theirs = pw["proxy_cpu_us_per_chunk"], o["proxy_cpu_us_per_chunk"]
+            share = f"{mine / theirs:.3f}x" if mine and theirs else "-"
+            print(f"CPU/chunk: {other} ({what}) {fmt(theirs, ' us', digits=1)} vs phasewatch "
+                  f"{fmt(mine, ' us', digits=1)} (phasewatch = {share} of it); added lag p99 "
+                  f"{fmt(o['added_lag_p99_ms'], ' ms', True)} vs "
+                  f"{fmt(pw['added_lag_p99_ms'], ' ms', True)}")
     if (d["loadgen_busy_cores"] or 0) > 0.7 * loadgen_procs:
         print("WARNING: the load generator is near a full core; try --loadgen-procs 2")
     elif (d["loadgen_lateness_p99_ms"] or 0) > 5:
@@ -640,6 +689,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, nargs="+", default=[1],
                    help="also run phasewatch with each of these --workers counts (default 1: "
                         "one process only); e.g. --workers 1 2")
+    p.add_argument("--baseline-source", type=Path, default=None,
+                   help="also run phasewatch from this other checkout (path `pw@base`), e.g. a "
+                        "git worktree of the commit before a change, to compare CPU per chunk "
+                        "in the same run")
+    p.add_argument("--otel", action="store_true",
+                   help="also run phasewatch with OpenTelemetry on (path `pw+otel`), exporting "
+                        "to a sink on loopback (needs the otel extra)")
     p.add_argument("--capacity-rates", type=float, nargs="*", default=[],
                    help="then, at --capacity-concurrency streams, run each of these chunk "
                         "rates (chunks/s) and report the highest each path relays with chunk "
@@ -680,6 +736,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers.append(upstream)
             proxies = {"phasewatch": start_phasewatch(upstream, tmp)}
             servers.append(proxies["phasewatch"])
+            if args.baseline_source is not None:
+                # The same phasewatch from another checkout, run beside this one.
+                proxies["pw@base"] = start_phasewatch(
+                    upstream, tmp, name="pw@base",
+                    extra_env=source_env(args.baseline_source, tmp))
+                servers.append(proxies["pw@base"])
+                paths.insert(paths.index("phasewatch"), "pw@base")
+            if args.otel:
+                # OpenTelemetry switched on, exporting metrics (every 10 s) and every span.
+                sink = OtlpSink()
+                proxies["pw+otel"] = start_phasewatch(upstream, tmp, name="pw+otel", extra_env={
+                    "PHASEWATCH_OTEL_ENABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+                    "OTEL_METRIC_EXPORT_INTERVAL": "10000"})
+                servers.append(proxies["pw+otel"])
+                paths.insert(paths.index("phasewatch") + 1, "pw+otel")
             for workers in args.workers:
                 if workers > 1:
                     server = start_phasewatch(upstream, tmp, workers)

@@ -25,7 +25,7 @@ from tests.support.servers import free_port, subprocess_server
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
-IMAGE_EXTRAS = ("postgres",)  # what the image installs beside the core (Dockerfile)
+IMAGE_EXTRAS = ("postgres", "otel")  # what the image installs beside the core (Dockerfile)
 
 
 def locked() -> tuple[dict[str, str], set[str], list[str]]:

@@ -23,8 +23,10 @@ Prometheus counterpart's (README, "OpenTelemetry (OTLP)").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -84,8 +86,10 @@ class OtelExport:
         self.meter_provider: MeterProvider | None = None
         self.tracer_provider: TracerProvider | None = None
         if export_metrics:
+            # shutdown_on_exit off: `shutdown()` below is the bounded one (an SDK exit hook
+            # would wait for a hung collector).
             self.meter_provider = MeterProvider(
-                resource=resource,
+                resource=resource, shutdown_on_exit=False,
                 metric_readers=[PeriodicExportingMetricReader(OTLPMetricExporter())])
             meter = self.meter_provider.get_meter("phasewatch", __version__, SCHEMA_URL)
             made = {key: meter.create_histogram(
@@ -95,7 +99,7 @@ class OtelExport:
             self._ttft, self._tpot = made["ttft"], made["tpot"]
             self._duration, self._tokens = made["duration"], made["tokens"]
         if export_traces:
-            self.tracer_provider = TracerProvider(resource=resource)
+            self.tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
             self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
             self._tracer = self.tracer_provider.get_tracer("phasewatch", __version__,
                                                            SCHEMA_URL)
@@ -176,16 +180,31 @@ class OtelExport:
     async def shutdown(self, timeout_s: float) -> None:
         """Export what is left (the last metrics, the spans queued) and stop, within
         `timeout_s`; an exporter still trying after that is abandoned, with a warning."""
-        def stop() -> None:
-            if self.tracer_provider is not None:
-                self.tracer_provider.shutdown()
-            if self.meter_provider is not None:
-                self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+        loop = asyncio.get_running_loop()
+        stopped: asyncio.Future[None] = loop.create_future()
 
+        def stop() -> None:
+            try:
+                if self.tracer_provider is not None:
+                    self.tracer_provider.shutdown()
+                if self.meter_provider is not None:
+                    self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                    loop.call_soon_threadsafe(_resolve, stopped)
+
+        # A daemon thread, not the loop's executor: an exporter stuck on a hung collector
+        # must not hold the process at exit (the executor's threads are joined then).
+        threading.Thread(target=stop, name="otel-shutdown", daemon=True).start()
         try:
-            await asyncio.wait_for(asyncio.to_thread(stop), timeout_s)
+            await asyncio.wait_for(asyncio.shield(stopped), timeout_s)
         except TimeoutError:
             log.warning("OpenTelemetry: the last export did not finish within %.0f s", timeout_s)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _end_span(request_trace: RequestTrace, record: RequestRecord, arrival_ns: int,

@@ -17,6 +17,7 @@ tried against real servers on loopback, with what must hold.
 | wide /api/stats windows over a million rows           | test_admin_api_load          |
 | open-file limit, a connection flood; query strings    | test_serve_process           |
 | encoded paths; `OPTIONS *`                            | test_passthrough_paths       |
+| an OpenTelemetry collector that never answers         | test_otel_collector          |
 
 Every wait is on a condition; the only timed waits are a scenario's own length (an outage's
 20 s), never a guess at how long something takes.

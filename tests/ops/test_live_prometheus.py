@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ import yaml
 from phasewatch.slo.files import load_spec
 from phasewatch.slo.rules import render_groups
 from tests.ops.conftest import DEPLOY, ROOT, SLO_FILE
+from tests.support.readme import blocks
 from tests.support.servers import free_port, subprocess_server, wait_http
 
 DASHBOARD = ROOT / "grafana" / "dashboards" / "phasewatch.json"
@@ -68,9 +70,23 @@ class Stack:
     model: str
 
 
+def readme_flags() -> list[str]:
+    """The flags README's "Prometheus and Grafana" starts Prometheus with, but its config file
+    (exemplar storage: docker-compose.yml passes the same)."""
+    (command,) = blocks("Prometheus and Grafana", "sh")
+    program, *flags = shlex.split(command)
+    assert program == "prometheus" and "--enable-feature=exemplar-storage" in flags
+    return [flag for flag in flags if not flag.startswith("--config.file=")]
+
+
 def _prometheus_config(proxy_port: int, sim_port: int, prometheus_port: int) -> dict[str, Any]:
     """deploy/prometheus.yml with its targets on loopback and 1 s intervals."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    # The README's copy-paste jobs are deploy/prometheus.yml's, as they are.
+    (jobs,) = blocks("Prometheus and Grafana", "yaml")
+    readme_jobs = yaml.safe_load(jobs)["scrape_configs"]
+    assert readme_jobs == [job for job in config["scrape_configs"]
+                           if job["job_name"] in {j["job_name"] for j in readme_jobs}]
     targets = {"phasewatch": f"127.0.0.1:{proxy_port}", "vllm": f"127.0.0.1:{sim_port}",
                "prometheus": f"127.0.0.1:{prometheus_port}"}
     jobs = {job["job_name"] for job in config["scrape_configs"]}
@@ -133,7 +149,7 @@ def stack(prometheus_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         prometheus = subprocess.Popen(
             [prometheus_bin, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
              f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn",
-             "--enable-feature=exemplar-storage"],  # as docker-compose.yml runs it
+             *readme_flags()],
             stdout=log, stderr=subprocess.STDOUT,
         )
         try:
