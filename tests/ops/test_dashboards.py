@@ -120,3 +120,19 @@ def test_provisioning_points_at_the_dashboards_and_the_datasource() -> None:
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     variable = {v["name"]: v for v in board()["templating"]["list"]}["datasource"]
     assert variable["query"] == "prometheus"
+
+
+def test_latency_panels_show_exemplars_linked_to_the_stored_record() -> None:
+    """Both quantile panels ask for their histogram's exemplars, and the datasource turns the
+    exemplar's request_id into a link to that request in phasewatch's API."""
+    with_exemplars = {panel["title"] for panel, target in targets() if target.get("exemplar")}
+    assert with_exemplars == {"TTFT p50 / p95 / p99", "ITL p50 / p95 / p99"}
+    for panel, target in targets():
+        if target.get("exemplar"):
+            assert re.search(r"phasewatch_(time_to_first_token|inter_token_latency)_seconds_bucket",
+                             target["expr"]), panel["title"]
+    datasources = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text())
+    (prometheus,) = datasources["datasources"]
+    (link,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    assert link["name"] == "request_id"  # the exemplar label phasewatch writes
+    assert link["url"].endswith("/api/requests?request_id=${__value.raw}")
