@@ -1,4 +1,5 @@
-"""Request-scoped dependencies and parameter parsing shared by the API routers."""
+"""Request-scoped dependencies, parameter parsing and parameter documentation shared by the API
+routers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from fastapi import Request
+from fastapi import Query, Request, Security
+from fastapi.params import Depends
+from fastapi.security import APIKeyHeader, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.inspection import inspect
 
@@ -15,6 +18,22 @@ from phasewatch.core.settings import Settings
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+# How to send the admin token, for the OpenAPI document (its security schemes, so a generated
+# client sends it). The check itself is made before FastAPI (app/core/admin.py): these read a
+# header and never refuse (`auto_error=False`).
+ADMIN_AUTH: list[Depends] = [
+    Security(APIKeyHeader(name="x-phasewatch-admin-token", scheme_name="adminToken",
+                          auto_error=False,
+                          description="`PHASEWATCH_ADMIN_TOKEN` (README, \"The admin API is "
+                          "closed by default\").")),
+    Security(HTTPBearer(scheme_name="adminBearer", auto_error=False,
+                        description="The same token as `Authorization: Bearer <token>`.")),
+]
+SINCE = Query(description="Only those that started at or after this moment (ISO 8601; no "
+              "zone means UTC).")
+UNTIL = Query(description="Only those that started before this moment (ISO 8601; no zone "
+              "means UTC).")
 
 
 async def db_session(request: Request) -> AsyncIterator[AsyncSession]:

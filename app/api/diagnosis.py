@@ -1,18 +1,21 @@
 """`GET /api/diagnosis` and `GET /api/diagnosis/history`: thin routers over the diagnosis
-service and its stored verdict changes. Method: docs/diagnosis.md."""
+service and its stored verdict changes. Method: docs/diagnosis.md; the answers' shapes:
+app/api/diagnosis_schema.py."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from phasewatch.api.budget import BudgetedRoute
-from phasewatch.api.deps import db_session, parse_duration, row_dict, utc
-from phasewatch.api.errors import error_response
+from phasewatch.api.deps import ADMIN_AUTH, db_session, parse_duration, row_dict, utc
+from phasewatch.api.diagnosis_schema import DiagnosisReport, DiagnosisReports, VerdictChangePage
+from phasewatch.api.encoding import json_response
+from phasewatch.api.errors import ERROR_RESPONSES, error_response
 from phasewatch.diagnosis.service import (
     Baseline,
     DiagnosisService,
@@ -23,7 +26,8 @@ from phasewatch.diagnosis.service import (
 )
 from phasewatch.store.diagnoses import list_diagnoses
 
-router = APIRouter(route_class=BudgetedRoute)
+router = APIRouter(route_class=BudgetedRoute, dependencies=ADMIN_AUTH,
+                   responses=ERROR_RESPONSES)
 
 BASELINE_FORMS = ("a duration right before the window (1h), an ISO 8601 range "
                   "(2026-01-01T10:00:00Z/2026-01-01T11:00:00Z), or run:<run id>")
@@ -64,15 +68,25 @@ def _invalid(param: str, problem: str, value: str | None) -> JSONResponse:
                           "invalid_request_error", param)
 
 
-@router.get("/api/diagnosis", response_model=None)
+@router.get("/api/diagnosis", response_model=DiagnosisReport | DiagnosisReports,
+            operation_id="getDiagnosis")
 async def diagnosis(
     request: Request,
-    model: str | None = None,
-    window: str = "5m",
-    baseline: str | None = None,
-    until: datetime | None = None,
-    min_samples: Annotated[int | None, Query(ge=5, le=1_000_000)] = None,
-) -> dict[str, Any] | JSONResponse:
+    model: Annotated[str | None, Query(description="The model to judge; without it, every "
+                                       "model with requests in the window or its "
+                                       "baseline.")] = None,
+    window: Annotated[str, Query(description="The window's length: `30s`, `5m`, `1h`.")] = "5m",
+    baseline: Annotated[str | None, Query(description="What to compare with: "
+                                          + BASELINE_FORMS + "; default the "
+                                          "`PHASEWATCH_DIAGNOSIS_BASELINE_S` before the "
+                                          "window.")] = None,
+    until: Annotated[datetime | None, Query(description="The window's end (ISO 8601; no zone "
+                                            "means UTC); default now, when requests in "
+                                            "flight count too.")] = None,
+    min_samples: Annotated[int | None, Query(
+        ge=5, le=1_000_000, description="Timed requests each side needs; default "
+        "`PHASEWATCH_DIAGNOSIS_MIN_SAMPLES`.")] = None,
+) -> Response:
     """One model's verdict (`model` given), or `{"items": [...]}` for every model with
     requests in the window or its baseline."""
     service: DiagnosisService = request.app.state.diagnosis
@@ -88,21 +102,25 @@ async def diagnosis(
     live = until is None  # requests in flight are known for the present only
     try:
         if model is not None:
-            return await service.diagnose(model, end, span, spec, min_samples, live)
-        models = await service.models(end, span, spec)
-        return {"items": [await service.diagnose(m, end, span, spec, min_samples, live)
-                          for m in models]}
+            answer = await service.diagnose(model, end, span, spec, min_samples, live)
+        else:
+            models = await service.models(end, span, spec)
+            answer = {"items": [await service.diagnose(m, end, span, spec, min_samples, live)
+                                for m in models]}
     except UnknownRun as exc:
         return _invalid("baseline", str(exc), baseline)
+    return json_response(answer)
 
 
-@router.get("/api/diagnosis/history")
+@router.get("/api/diagnosis/history", response_model=VerdictChangePage,
+            operation_id="listVerdictChanges")
 async def history(
     session: Annotated[AsyncSession, Depends(db_session)],
-    model: str | None = None,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    cursor: Annotated[int | None, Query(ge=1)] = None,
-) -> dict[str, Any]:
+    model: Annotated[str | None, Query(description="Only this model.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Changes per page.")] = 100,
+    cursor: Annotated[int | None, Query(
+        ge=1, description="The previous page's `next_cursor`.")] = None,
+) -> Response:
     """Stored changes of verdict (from the schedule), newest first, each with its evidence."""
     rows, next_cursor = await list_diagnoses(session, model, limit, cursor)
     items = []
@@ -112,4 +130,4 @@ async def history(
         item.update({key: report.get(key) for key in
                      ("summary", "meaning", "actions", "window", "evidence")})
         items.append(item)
-    return {"items": items, "next_cursor": next_cursor}
+    return json_response({"items": items, "next_cursor": next_cursor})

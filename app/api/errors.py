@@ -1,4 +1,5 @@
-"""Errors of the `/api` routes in the OpenAI error format, like the relayed ones.
+"""Errors of the `/api` routes in the OpenAI error format, like the relayed ones, and their
+declared shape for the OpenAPI document (`ERROR_RESPONSES`).
 
 A database that is down or failing answers 503 (`database_unavailable`) with one log line and
 no traceback; a text parameter the database could not take (a NUL character) is refused as
@@ -8,13 +9,49 @@ no traceback; a text parameter the database could not take (a NUL character) is 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong, in a sentence a person can act on.")
+    type: str = Field(description="The kind of error: `invalid_request_error`, "
+                      "`not_found_error`, `permission_denied`, `database_unavailable`, "
+                      "`query_timeout`.")
+    param: str | None = Field(description="The parameter at fault (several: comma-separated); "
+                              "null when no one parameter is.")
+    code: int = Field(description="The HTTP status, repeated.")
+
+
+class ErrorResponse(BaseModel):
+    """An error in the OpenAI format, as the relayed ones."""
+
+    error: ErrorDetail = Field(description="What went wrong.")
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# The answers an `/api` route can give besides its 200, for the OpenAPI document (a router's
+# `responses=`). 401 and 403 come from the admin gate in front of FastAPI (app/core/admin.py).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: _error("The admin token is missing or wrong (`x-phasewatch-admin-token`, or "
+                "`Authorization: Bearer`)."),
+    403: _error("The admin API is closed: no `PHASEWATCH_ADMIN_TOKEN` is set and "
+                "`PHASEWATCH_ADMIN_OPEN` is off."),
+    422: _error("A parameter is invalid; `param` names it."),
+    503: _error("The database is unavailable (`database_unavailable`), or the call took "
+                "longer than `PHASEWATCH_API_TIMEOUT_S` (`query_timeout`)."),
+}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: _error("No such item.")}
 
 
 def error_response(status: int, message: str, error_type: str,
