@@ -69,8 +69,10 @@ class StoredRunPoint(BaseModel):
                                                 "requests / the step's span (tokens/s).")
     total_throughput_tps: float | None = Field(description="(Prompt + output) tokens of "
                                                "successful requests / span (tokens/s).")
-    goodput_rps: float | None = Field(description="Successful requests that met the SLO pair "
-                                      "/ span (requests/s); null without an SLO.")
+    goodput_rps: float | None = Field(description="Good requests / span (requests/s): "
+                                      "successful, TTFT at most the TTFT objective and TPOT at "
+                                      "most the ITL objective, each request judged on its own "
+                                      "(docs/bench.md, \"Goodput\"); null without an SLO.")
     extra: dict[str, Any] | None = Field(description="What has no column: `figures` (TPOT, "
                                          "E2E, token counts, request rate, ...), `repeats`, "
                                          "`spread`, `proxy` (phasewatch's own figures for the "

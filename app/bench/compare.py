@@ -1,6 +1,9 @@
 """`phasewatch runs compare A B`: what moved between two runs, by how much, beyond the noise.
 
-Points are matched on their x (prompt tokens, streams, rate, phase). For each figure, the
+Points are matched on their x (prompt tokens, streams, rate) and named by it; interference
+points are named and matched by phase (before, during, after) and chunked-prefill setting, and
+a run of one setting is matched phase by phase with a run of another (comparing chunked prefill
+on with off is what the two runs are for). For each figure, the
 change is B - A and B / A; the noise is the larger of the two points' spreads between repeats
 (max - min of that figure over the repeats of one run). A change of more than twice the noise
 is "moved" (with two repeats a range is about one standard deviation, so that is about two);
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from phasewatch.bench.render import Column, ms, num, table
+from phasewatch.bench.render import Column, ms, num, point_label, table
 
 Row = dict[str, Any]
 
@@ -27,6 +30,7 @@ FIGURES = (
     ("ITL p50", "itl_p50_s", "itl_p50_s", "ms"),
     ("ITL p95", "itl_p95_s", "itl_p95_s", "ms"),
     ("ITL p99", "itl_p99_s", "itl_p99_s", "ms"),
+    ("ITL max", "extra.itl_max_s", "itl_max_s", "ms"),  # interference: the stall
     ("output tok/s", "output_throughput_tps", "output_tps", ""),
     ("total tok/s", "total_throughput_tps", "total_tps", ""),
     ("concurrency", "concurrency", "concurrency_mean", ""),
@@ -55,22 +59,50 @@ def verdict(a: float, b: float, spread_a: float | None, spread_b: float | None) 
     return MOVED if moved else WITHIN
 
 
+def _figure(point: Row, column: str) -> Any:
+    if column.startswith("extra."):
+        return (point.get("extra") or {}).get(column.removeprefix("extra."))
+    return point.get(column)
+
+
+def _phase_count(points: Sequence[Row], point: Row) -> int:
+    return sum(1 for p in points if p["x_name"] == point["x_name"] == "phase"
+               and p["x_value"] == point["x_value"])
+
+
+def _match(pa: Row, points_a: Sequence[Row], points_b: Sequence[Row]) -> tuple[Row, str] | None:
+    """A's point's counterpart in B and the name of the pair, if B has one."""
+    label = point_label(pa)
+    for pb in points_b:
+        if point_label(pb) == label:
+            return pb, label
+    if _phase_count(points_a, pa) == 1:  # one setting each: phase against phase
+        found = [pb for pb in points_b if _phase_count(points_b, pb) == 1
+                 and pb["x_name"] == "phase" and pb["x_value"] == pa["x_value"]]
+        if found:
+            a_set = (pa.get("extra") or {}).get("chunked_prefill") or "?"
+            b_set = (found[0].get("extra") or {}).get("chunked_prefill") or "?"
+            phase = (pa.get("extra") or {}).get("phase")
+            return found[0], f"{phase}, chunked prefill {a_set} -> {b_set}"
+    return None
+
+
 def changes(points_a: Sequence[Row], points_b: Sequence[Row]) -> list[Row]:
     """One row per matched point and figure present in both."""
-    b_by_x = {(p["x_name"], p["x_value"]): p for p in points_b}
     out: list[Row] = []
     for pa in sorted(points_a, key=lambda p: p["step"]):
-        pb = b_by_x.get((pa["x_name"], pa["x_value"]))
-        if pb is None:
+        matched = _match(pa, points_a, points_b)
+        if matched is None:
             continue
+        pb, name = matched
         for label, column, spread_key, unit in FIGURES:
-            a, b = pa.get(column), pb.get(column)
+            a, b = _figure(pa, column), _figure(pb, column)
             if a is None or b is None:
                 continue
             sa = ((pa.get("extra") or {}).get("spread") or {}).get(spread_key)
             sb = ((pb.get("extra") or {}).get("spread") or {}).get(spread_key)
             out.append({
-                "x": f"{pa['x_name']} {pa['x_value']:g}", "figure": label, "unit": unit,
+                "x": name, "figure": label, "unit": unit,
                 "a": a, "b": b, "delta": b - a, "ratio": b / a if a else None,
                 "noise": None if sa is None or sb is None else max(sa, sb),
                 "verdict": verdict(a, b, sa, sb),

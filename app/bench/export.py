@@ -21,14 +21,15 @@ class Written:
         return out + ([self.note] if self.note else [])
 
 
-def export_run(result: RunResult, folder: Path, plots: bool = True) -> Written:
+def export_run(result: RunResult, folder: Path, plots: bool = True,
+               x_scale: str | None = None) -> Written:
     folder.mkdir(parents=True, exist_ok=True)
     written = Written(json=folder / f"{result.run['id']}.json")
     assert written.json is not None
     written.json.write_bytes(to_json(result))
     if plots and result.points:
         try:
-            written.plots = write_plots(result.run, result.points, folder)
+            written.plots = write_plots(result.run, result.points, folder, x_scale)
         except PlotsUnavailable as exc:
             written.note = str(exc)
     return written

@@ -3,10 +3,13 @@
 - `prompt`: longer prompts at a fixed output length (the article's first table);
 - `concurrency`: more streams at once at a fixed prompt length (the second table);
 - `interference`: one client streams short prompts back to back while a long prompt arrives;
-  that client's ITL before, during and after the long prefill;
+  that client's ITL before, during and after the long prefill, with the simulator's chunked
+  prefill as it is, on, off, or both in turn (`sim_control`); the long prompt is sized from the
+  server's `max_num_batched_tokens` (`long_prompt`);
 - `rate`: open-loop Poisson arrivals at each rate of a list;
-- `goodput`: the highest Poisson rate whose TTFT and ITL both meet an SLO pair: the rate doubles
-  until a step misses, then the gap between the last pass and the first miss is bisected.
+- `goodput`: the highest Poisson rate at which enough requests meet an SLO pair (`stats.Slo`:
+  one per-request definition, for the verdict and for goodput alike): the rate doubles until a
+  step misses, then the gap between the last pass and the first miss is bisected.
 
 Every duration and rate is on the model's clock: against phasewatch's simulator at
 `--time-scale S`, wall times are divided by S, and schedules (arrival offsets, the
@@ -18,8 +21,8 @@ point's figures are pooled over its repeats while each repeat's own are kept for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -31,9 +34,11 @@ import aiohttp
 from phasewatch.bench.client import RequestResult
 from phasewatch.bench.errors import WorkloadError
 from phasewatch.bench.load import Batch, Sender, closed_loop, open_loop, poisson_offsets
+from phasewatch.bench.long_prompt import size_long_prompt
 from phasewatch.bench.progress import Progress
 from phasewatch.bench.prompts import PromptBuilder
 from phasewatch.bench.result import point_row, spread
+from phasewatch.bench.sim_control import VARIANTS, require_simulator, set_chunked_prefill
 from phasewatch.bench.stats import Figures, Slo, figures, named_quantiles, slo_verdict
 from phasewatch.bench.target import Target
 from phasewatch.bench.workload import completion_body
@@ -65,10 +70,11 @@ class Interference:
     # Long enough that one short request spans before_s + the long prefill + after_s; else the
     # stall can land in the next short request's TTFT instead of an ITL gap.
     short_max_tokens: int = 256
-    long_prompt_tokens: int = 8000
+    long_prompt_tokens: int | None = None  # None: sized from the server's budget (long_prompt)
     long_max_tokens: int = 4
     before_s: float = 0.5  # the short client streams alone this long first (model seconds)
     after_s: float = 0.5  # and goes on this long after the long prompt's first token
+    chunked_prefill: str = "as-is"  # as-is, or on, off, both: the simulator's switch
     repeats: int = 1
     kind: str = "interference"
 
@@ -124,9 +130,11 @@ class Context:
     tag_run: bool = True  # send x-phasewatch-run-id
     points: list[dict[str, Any]] = field(default_factory=list)  # finished, in order
     prefixes: dict[str, int] = field(default_factory=dict)  # request id prefix -> step
-    # interference: per round, the request ids of each phase ("long": the long prompt's)
-    phase_requests: list[dict[str, list[str]]] = field(default_factory=list)
+    # interference: per round, its chunked-prefill setting ("chunked": "on", "off" or "") and
+    # the request ids of each phase ("long": the long prompt's)
+    phase_requests: list[dict[str, Any]] = field(default_factory=list)
     sent: int = 0  # requests sent with the run id
+    resolved: dict[str, Any] = field(default_factory=dict)  # options settled while measuring
 
     @property
     def scale(self) -> float:
@@ -215,6 +223,12 @@ async def _rate_step(
     return await open_loop(ctx.sender(f"{step}-{repeat}", body, step), offsets)
 
 
+def _slo_row(slo: Slo) -> dict[str, Any]:
+    """The SLO as stored with the run, with how it was judged (runs stored before this
+    definition judged quantiles of TTFT and of per-chunk ITL instead)."""
+    return {**dataclasses.asdict(slo), "judged": "per request, as vllm bench serve --goodput"}
+
+
 def _rate_extra(batches: Sequence[Batch], scale: float, slo: Slo | None) -> dict[str, Any]:
     pooled = _pooled(batches, scale, slo)
     extra: dict[str, Any] = {"send_lateness_p99_s": _lateness(batches, scale)}
@@ -233,55 +247,90 @@ async def rate_sweep(ctx: Context, o: RateSweep) -> Summary:
 
     await _sweep(ctx, "rate", o.rates, o.repeats, one,
                  lambda _s, _x, b: _rate_extra(b, ctx.scale, o.slo), o.slo)
-    return {"slo": dataclasses.asdict(o.slo)} if o.slo else {}
+    return {"slo": _slo_row(o.slo)} if o.slo else {}
+
+
+@dataclass(slots=True)
+class _Search:
+    """Where the goodput search stands; `next_rate` is its one rule (pure)."""
+
+    o: GoodputSearch
+    passed: float | None = None  # the highest rate that met the SLO
+    missed: float | None = None  # the lowest rate above it that did not
+    bisections: int = 0
+
+    def record(self, rate: float, met: bool) -> None:
+        if self.missed is not None:
+            self.bisections += 1
+        if met:
+            self.passed = rate
+        else:
+            self.missed = rate
+
+    def next_rate(self) -> float | None:
+        """Double while every rate passes; after the first miss, bisect; None: done."""
+        o = self.o
+        if self.missed is None:
+            rate = o.start_rate if self.passed is None else self.passed * 2
+            return rate if rate <= o.max_rate else None
+        if self.passed is None or self.bisections >= o.bisect_steps:
+            return None
+        if (self.missed - self.passed) / self.passed <= o.tolerance:
+            return None
+        return round((self.passed + self.missed) / 2, 6)
+
+    def most_left(self) -> int:
+        """The most trials the search can still make (the doublings left, then bisections)."""
+        o = self.o
+        if self.missed is not None:
+            return o.bisect_steps - self.bisections
+        rate = o.start_rate if self.passed is None else self.passed * 2
+        doublings = 0
+        while rate <= o.max_rate:
+            doublings, rate = doublings + 1, rate * 2
+        return doublings + o.bisect_steps
 
 
 async def goodput_search(ctx: Context, o: GoodputSearch) -> Summary:
-    """Double the rate until a step misses the SLO pair, then bisect between pass and miss."""
+    """Double the rate until a step misses the SLO pair, then bisect between pass and miss.
+
+    Progress counts trials (x repeats): the total is "at most" what is left until the search
+    knows its last trial, and exact from then, so the count it ends on is the one it shows."""
     if o.start_rate > o.max_rate:
         raise WorkloadError(f"the start rate {o.start_rate:g} is above the max rate {o.max_rate:g}")
-    budget = 1 + max(0, int(math.log2(o.max_rate / o.start_rate))) + o.bisect_steps
-    ctx.progress.start(budget * o.repeats, f"goodput search: {o.slo.describe()}")
+    search = _Search(o)
+    ctx.progress.start(search.most_left() * o.repeats, f"goodput search: {o.slo.describe()}",
+                       at_most=True)
     body = await ctx.body(o.prompt_tokens, o.max_tokens)
-    passed: float | None = None
-    missed: float | None = None
-
-    async def trial(rate: float) -> bool:
+    rate = search.next_rate()
+    while rate is not None:
         step = len(ctx.points)
         batches = []
         for repeat in range(o.repeats):
             batches.append(ctx.count(await _rate_step(ctx, step, rate, o, repeat, body)))
-            ctx.progress.advance(f"rate {rate:g}, repeat {repeat + 1} of {o.repeats}")
+            if repeat < o.repeats - 1:
+                ctx.progress.advance(f"rate {rate:g}, repeat {repeat + 1} of {o.repeats}")
         per_repeat = [figures(b.results, b.span_s, ctx.scale, o.slo) for b in batches]
         extra = _rate_extra(batches, ctx.scale, o.slo)
         ctx.points.append(point_row(step, "rate", rate, _pooled(batches, ctx.scale, o.slo),
                                     per_repeat, extra))
-        return bool(extra["slo_met"])
-
-    rate = o.start_rate
-    while rate <= o.max_rate:
-        if await trial(rate):
-            passed = rate
-            rate *= 2
+        search.record(rate, bool(extra["slo_met"]))
+        tried = rate
+        rate = search.next_rate()
+        done = len(ctx.points) * o.repeats
+        if rate is None:
+            ctx.progress.revise(done, at_most=False)
         else:
-            missed = rate
-            break
-    if passed is not None and missed is not None:
-        for _ in range(o.bisect_steps):
-            if (missed - passed) / passed <= o.tolerance:
-                break
-            middle = round((passed + missed) / 2, 6)
-            if await trial(middle):
-                passed = middle
-            else:
-                missed = middle
-    best = next((p for p in ctx.points if p["x_value"] == passed), None)
+            ctx.progress.revise(done + search.most_left() * o.repeats, at_most=True)
+        ctx.progress.advance(f"rate {tried:g}, repeat {o.repeats} of {o.repeats}")
+    best = next((p for p in ctx.points if p["x_value"] == search.passed), None)
     return {
-        "slo": dataclasses.asdict(o.slo),
-        "best_rate": passed,
-        "next_rate": missed,
+        "slo": _slo_row(o.slo),
+        "best_rate": search.passed,
+        "next_rate": search.missed,
         "best_step": best["step"] if best else None,
-        "next_step": next((p["step"] for p in ctx.points if p["x_value"] == missed), None),
+        "next_step": next((p["step"] for p in ctx.points if p["x_value"] == search.missed),
+                          None),
         "goodput_rps": best["goodput_rps"] if best else None,
     }
 
@@ -299,10 +348,10 @@ class _Round:
     stop_ns: int
 
 
-async def _interference_round(ctx: Context, o: Interference, repeat: int,
+async def _interference_round(ctx: Context, o: Interference, tag: str,
                               short_body: dict[str, Any], long_body: dict[str, Any]) -> _Round:
-    short = ctx.sender(f"short-{repeat}", short_body)
-    long = ctx.sender(f"long-{repeat}", long_body)
+    short = ctx.sender(f"short-{tag}", short_body)
+    long = ctx.sender(f"long-{tag}", long_body)
     stop = asyncio.Event()
     streaming = asyncio.Event()
     short.trace = lambda _now, _data: streaming.set()
@@ -376,7 +425,7 @@ def _phase_flat(gaps: list[float]) -> dict[str, float | None]:
     return flat
 
 
-def _timeline(r: _Round, scale: float) -> dict[str, Any]:
+def _timeline(r: _Round, scale: float, chunked: str | None) -> dict[str, Any]:
     """The short client's gaps against time, in model seconds from the long prompt's arrival."""
     origin = r.long.sent_ns
 
@@ -384,6 +433,7 @@ def _timeline(r: _Round, scale: float) -> dict[str, Any]:
         return round((ns - origin) / 1e9 / scale, 6)
 
     return {
+        "chunked_prefill": chunked,
         "long_sent_s": 0.0,
         "long_first_token_s": t(r.long_first_ns),
         "long_ttft_s": None if r.long.ttft_s is None else r.long.ttft_s / scale,
@@ -393,45 +443,113 @@ def _timeline(r: _Round, scale: float) -> dict[str, Any]:
     }
 
 
-async def interference(ctx: Context, o: Interference) -> Summary:
-    ctx.progress.start(o.repeats, "interference: a long prompt against a short stream")
-    short_body = await ctx.body(o.short_prompt_tokens, o.short_max_tokens)
-    long_body = await ctx.body(o.long_prompt_tokens, o.long_max_tokens)
-    rounds = []
-    for repeat in range(o.repeats):
-        rounds.append(await _interference_round(ctx, o, repeat, short_body, long_body))
-        ctx.progress.advance(f"repeat {repeat + 1} of {o.repeats}")
+def _on_off(setting: bool | None) -> str | None:
+    return None if setting is None else ("on" if setting else "off")
+
+
+def _phase_points(ctx: Context, first_step: int, chunked: str | None, budget: int | None,
+                  rounds: Sequence[_Round]) -> list[dict[str, Any]]:
+    """The three phases of one chunked-prefill setting, pooled over its rounds."""
     per_round = [_round_phases(r, ctx.scale) for r in rounds]
-    for step, name in enumerate(PHASES):
-        gaps = [g for phases in per_round for g in phases[step]["gaps"]]
-        ttfts = [t for phases in per_round for t in phases[step]["ttfts"]]
-        requests = sum(len(phases[step]["requests"]) + phases[step]["errors"]
+    points = []
+    for index, name in enumerate(PHASES):
+        gaps = [g for phases in per_round for g in phases[index]["gaps"]]
+        ttfts = [t for phases in per_round for t in phases[index]["ttfts"]]
+        requests = sum(len(phases[index]["requests"]) + phases[index]["errors"]
                        for phases in per_round)
-        repeats = [_phase_flat(phases[step]["gaps"]) for phases in per_round]
-        ctx.points.append({
-            "step": step, "x_name": "phase", "x_value": float(step),
+        repeats = [_phase_flat(phases[index]["gaps"]) for phases in per_round]
+        points.append({
+            "step": first_step + index, "x_name": "phase", "x_value": float(index),
             "requests": requests,
-            "errors": sum(phases[step]["errors"] for phases in per_round),
+            "errors": sum(phases[index]["errors"] for phases in per_round),
             "concurrency": None,
             **{f"ttft_{k}_s": v for k, v in named_quantiles(ttfts).items()},
             **{f"itl_{k}_s": v for k, v in named_quantiles(gaps).items()},
             "output_throughput_tps": None, "total_throughput_tps": None, "goodput_rps": None,
-            "extra": {"phase": name, "gaps": len(gaps),
+            "extra": {"phase": name, "chunked_prefill": chunked,
+                      "max_num_batched_tokens": budget, "gaps": len(gaps),
                       "itl_max_s": max(gaps) if gaps else None,
                       "repeats": repeats, "spread": spread(repeats)},
         })
-    for r in rounds:
-        window = (r.long.sent_ns, r.long_first_ns)
-        ids: dict[str, list[str]] = {name: [] for name in PHASES}
-        for s in r.shorts:
-            ids[PHASES[_phase_of(s.sent_ns, s.ended_ns, window)]].append(s.request_id or "")
-        ids["long"] = [r.long.request_id or ""]
-        ctx.phase_requests.append(ids)
-    long_ttfts = [r.long.ttft_s / ctx.scale for r in rounds if r.long.ttft_s is not None]
+    return points
+
+
+def _phase_ids(r: _Round, chunked: str | None) -> dict[str, Any]:
+    """The request ids of one round, by phase, for phasewatch's records of them."""
+    window = (r.long.sent_ns, r.long_first_ns)
+    ids: dict[str, Any] = {name: [] for name in PHASES}
+    for s in r.shorts:
+        ids[PHASES[_phase_of(s.sent_ns, s.ended_ns, window)]].append(s.request_id or "")
+    ids["long"] = [r.long.request_id or ""]
+    ids["chunked"] = chunked or ""
+    return ids
+
+
+def _variant_summary(chunked: str | None, budget: int | None, points: Sequence[dict[str, Any]],
+                     rounds: Sequence[_Round], scale: float) -> dict[str, Any]:
+    before, during, after = points
+    ttfts = [r.long.ttft_s / scale for r in rounds if r.long.ttft_s is not None]
+    return {"chunked_prefill": chunked, "max_num_batched_tokens": budget,
+            "long_ttft_s": named_quantiles(ttfts)["p50"],
+            "long_errors": sum(1 for r in rounds if not r.long.ok),
+            "itl_p50_before_s": before["itl_p50_s"],
+            "stall_s": during["extra"]["itl_max_s"], "itl_p50_after_s": after["itl_p50_s"]}
+
+
+async def interference(ctx: Context, o: Interference) -> Summary:
+    """Each chunked-prefill setting asked for in turn (the simulator's switch; as the server
+    runs when "as-is"), `repeats` rounds each; the setting found is put back at the end."""
+    target = ctx.target
+    require_simulator(target, o.chunked_prefill)
+    variants = VARIANTS[o.chunked_prefill]
+    found = target.chunked_prefill
+    budget, chunked = target.batched_tokens, found
+    switched = False
+    try:
+        if o.chunked_prefill != "as-is":  # the budget chunks are cut to: the one with it on
+            switched = True
+            budget = (await set_chunked_prefill(ctx.session, target, True))[
+                "max_num_batched_tokens"]
+            chunked = True
+        plan = size_long_prompt(o.long_prompt_tokens, budget, chunked, target.max_model_len,
+                                o.long_max_tokens)
+        ctx.resolved["long_prompt_tokens"] = plan.tokens
+        ctx.progress.start(len(variants) * o.repeats,
+                           "interference: a long prompt against a short stream")
+        short_body = await ctx.body(o.short_prompt_tokens, o.short_max_tokens)
+        long_body = await ctx.body(plan.tokens, o.long_max_tokens)
+        summaries, timelines, all_rounds = [], [], []
+        for index, setting in enumerate(variants):
+            step_budget = target.batched_tokens
+            if setting is not None:
+                step_budget = (await set_chunked_prefill(ctx.session, target, setting))[
+                    "max_num_batched_tokens"]
+            label = _on_off(found if setting is None else setting)
+            rounds = []
+            for repeat in range(o.repeats):
+                tag = f"{label}-{repeat}" if setting is not None else f"{repeat}"
+                rounds.append(await _interference_round(ctx, o, tag, short_body, long_body))
+                what = f"chunked prefill {label}, " if setting is not None else ""
+                ctx.progress.advance(f"{what}repeat {repeat + 1} of {o.repeats}")
+            points = _phase_points(ctx, 3 * index, label, step_budget, rounds)
+            ctx.points.extend(points)
+            ctx.phase_requests.extend(_phase_ids(r, label) for r in rounds)
+            summaries.append(_variant_summary(label, step_budget, points, rounds, ctx.scale))
+            timelines += [_timeline(r, ctx.scale, label) for r in rounds]
+            all_rounds += rounds
+    finally:
+        if switched and found is not None:
+            with contextlib.suppress(WorkloadError, aiohttp.ClientError, TimeoutError):
+                await set_chunked_prefill(ctx.session, target, found)
+    long_ttfts = [r.long.ttft_s / ctx.scale for r in all_rounds if r.long.ttft_s is not None]
     return {
+        "long_prompt_tokens": plan.tokens,
+        "long_prompt": plan.how,
+        "same_step": plan.same_step,
         "long_ttft_s": named_quantiles(long_ttfts)["p50"],
-        "long_errors": sum(1 for r in rounds if not r.long.ok),
-        "timelines": [_timeline(r, ctx.scale) for r in rounds],
+        "long_errors": sum(1 for r in all_rounds if not r.long.ok),
+        "variants": summaries,
+        "timelines": timelines,
     }
 
 

@@ -78,6 +78,16 @@ def _quantile_columns(group: str, prefix: str, digits: int) -> list[Column]:
             for q in ("p50", "p90", "p95", "p99")]
 
 
+def point_label(point: Row) -> str:
+    """How a point is named in reports and comparisons: `prompt_tokens 1024`, or an
+    interference phase by name (`during`, `during, chunked prefill off`)."""
+    extra = point.get("extra") or {}
+    if point["x_name"] == "phase" and extra.get("phase"):
+        chunked = extra.get("chunked_prefill")
+        return str(extra["phase"]) + (f", chunked prefill {chunked}" if chunked else "")
+    return f"{point['x_name']} {point['x_value']:g}"
+
+
 def _x_column(kind: str, approximate: bool) -> Column:
     names = {"prompt": ("prompt", "~tokens" if approximate else "tokens"),
              "concurrency": ("asked", "streams"), "rate": ("rate", "req/s"),
@@ -100,9 +110,14 @@ def _point_columns(run: Row, points: Sequence[Row]) -> list[Column]:
         Column("throughput tok/s", "total", lambda r: num(r["total_throughput_tps"])),
     ]
     if kind in ("rate", "goodput") and any(p["goodput_rps"] is not None for p in points):
+        q = _get(run, "summary", "slo", "quantile") or "p95"
         columns += [
-            Column("SLO", "goodput", lambda r: num(r["goodput_rps"], 2)),
-            Column("SLO", "met", lambda r: {True: "yes", False: "no"}.get(
+            Column("SLO (per request)", f"TPOT {q}",
+                   lambda r: ms(_get(r, "extra", "figures", "tpot_s", q), 2)),
+            Column("SLO (per request)", "good %", lambda r: _percent(
+                _get(r, "extra", "figures", "slo_attainment"))),
+            Column("SLO (per request)", "goodput", lambda r: num(r["goodput_rps"], 2)),
+            Column("SLO (per request)", "met", lambda r: {True: "yes", False: "no"}.get(
                 _get(r, "extra", "slo_met"), "-")),
         ]
     if any(_get(p, "extra", "spread") for p in points):
@@ -124,9 +139,17 @@ def _point_columns(run: Row, points: Sequence[Row]) -> list[Column]:
     return columns
 
 
+def _percent(value: Any) -> str:
+    return "-" if value is None else f"{value * 100:.1f}"
+
+
 def _interference_columns(points: Sequence[Row]) -> list[Column]:
+    chunked = [Column("short client", "chunked prefill",
+                      lambda r: str(_get(r, "extra", "chunked_prefill")), left=True)
+               ] if any(_get(p, "extra", "chunked_prefill") for p in points) else []
     columns = [
-        Column("short client", "phase", lambda r: str(_get(r, "extra", "phase"))),
+        Column("short client", "phase", lambda r: str(_get(r, "extra", "phase")), left=True),
+        *chunked,
         Column("short client", "requests", lambda r: str(r["requests"])),
         Column("short client", "errors", lambda r: str(r["errors"])),
         Column("short client", "gaps", lambda r: str(_get(r, "extra", "gaps"))),
@@ -169,6 +192,11 @@ def _header(run: Row) -> list[str]:
             f"{sim.get('max_num_seqs')}, max_num_batched_tokens "
             f"{sim.get('max_num_batched_tokens')}, chunked prefill "
             f"{'on' if sim.get('enable_chunked_prefill') else 'off'}")
+    scheduler = engine.get("scheduler")
+    if scheduler and not sim:
+        chunked = {True: "on", False: "off"}.get(scheduler.get("enable_chunked_prefill"), "?")
+        described.append(f"max_num_batched_tokens {scheduler.get('max_num_batched_tokens')}, "
+                         f"chunked prefill {chunked} (from {scheduler.get('from')})")
     cache = engine.get("cache_config")
     if cache:
         shown = [f"{key} {cache[key]}" for key in CACHE_KEYS if key in cache]
@@ -200,10 +228,16 @@ def _workload(run: Row) -> str:
         what = (f"N streams sent together, {p['requests_per_stream']} request(s) each, "
                 f"{p['prompt_tokens']}-token prompts, max_tokens {p['max_tokens']}")
     elif kind == "interference":
+        chunked = p.get("chunked_prefill", "as-is")
+        tokens = p.get("long_prompt_tokens")  # None only if the run broke off before sizing it
         what = (f"a short client ({p['short_prompt_tokens']}-token prompts, max_tokens "
                 f"{p['short_max_tokens']}, back to back) streams {p['before_s']:g} s alone from "
-                f"its first token, then a {p['long_prompt_tokens']}-token prompt (max_tokens "
-                f"{p['long_max_tokens']}) arrives; {p['after_s']:g} s more after its first token")
+                f"its first token, then a {tokens or 'not yet sized'}-token prompt (max_tokens "
+                f"{p['long_max_tokens']}) arrives; {p['after_s']:g} s more after its first "
+                "token; chunked prefill "
+                + ("as the server runs it" if chunked == "as-is" else
+                   "on, then off (switched on the simulator)" if chunked == "both" else
+                   f"{chunked} (switched on the simulator)"))
     else:
         what = (f"{p['requests']} Poisson arrivals per point (seed {p['seed']}), "
                 f"{p['prompt_tokens']}-token prompts, max_tokens {p['max_tokens']}")
@@ -228,20 +262,8 @@ def _shape(run: Row, points: Sequence[Row]) -> list[str]:
             f"{_ratio(first['itl_p50_s'], last['itl_p50_s'])}{spread}, output throughput "
             f"{_ratio(first['output_throughput_tps'], last['output_throughput_tps'])}, "
             f"achieved concurrency {num(first['concurrency'], 1)} -> {num(last['concurrency'], 1)}")
-    if kind == "interference" and len(points) == 3:
-        before, during, after = points
-        lines.append(
-            f"the long prompt's TTFT (client, p50 over repeats) {ms(summary.get('long_ttft_s'))} "
-            f"ms; the short stream's ITL p50 {ms(before['itl_p50_s'], 2)} ms before, max "
-            f"{ms(_get(during, 'extra', 'itl_max_s'), 2)} ms during "
-            f"({_ratio(before['itl_p50_s'], _get(during, 'extra', 'itl_max_s'))} the p50 "
-            f"before), p50 {ms(after['itl_p50_s'], 2)} ms after")
-        if summary.get("long_errors"):
-            lines.append(f"the long prompt FAILED in {summary['long_errors']} repeat(s) (does "
-                         "the server's max_model_len hold it?)")
-        proxy_long = _get(during, "extra", "proxy", "long_ttft_s", "p50")
-        if proxy_long is not None:
-            lines.append(f"phasewatch stored the long prompt's TTFT as {ms(proxy_long)} ms")
+    if kind == "interference" and points and len(points) % 3 == 0:
+        lines += _interference_lines(run, points)
     if kind == "goodput":
         lines += _goodput_lines(summary, points)
     phasewatch = summary.get("phasewatch")
@@ -256,24 +278,84 @@ def _shape(run: Row, points: Sequence[Row]) -> list[str]:
     return lines
 
 
+def _interference_lines(run: Row, points: Sequence[Row]) -> list[str]:
+    """Per chunked-prefill setting: the long prompt's TTFT and the short stream's stall; then
+    the two settings side by side, and why they cannot differ when they cannot."""
+    summary, p = run["summary"] or {}, run["parameters"]
+    variants = {v.get("chunked_prefill"): v for v in summary.get("variants") or []}
+    lines: list[str] = []
+    if summary.get("long_prompt"):
+        lines.append(f"long prompt: {summary['long_prompt']}")
+    stalls: dict[str, float] = {}
+    for index in range(0, len(points), 3):
+        before, during, after = points[index:index + 3]
+        chunked = _get(during, "extra", "chunked_prefill")
+        variant = variants.get(chunked) or summary
+        stall = _get(during, "extra", "itl_max_s")
+        if chunked and stall is not None:
+            stalls[chunked] = stall
+        budget = _get(during, "extra", "max_num_batched_tokens")
+        setting = (f"chunked prefill {chunked}" + (f" (max_num_batched_tokens {budget})"
+                                                   if budget else "") + ": ") if chunked else ""
+        lines.append(
+            f"{setting}the long prompt's TTFT (client, p50 over repeats) "
+            f"{ms(variant.get('long_ttft_s'))} ms; the short stream's ITL p50 "
+            f"{ms(before['itl_p50_s'], 2)} ms before, max {ms(stall, 2)} ms during "
+            f"({_ratio(before['itl_p50_s'], stall)} the p50 before), p50 "
+            f"{ms(after['itl_p50_s'], 2)} ms after")
+        if variant.get("long_errors"):
+            lines.append(f"the long prompt FAILED in {variant['long_errors']} repeat(s) (does "
+                         "the server's max_model_len hold it?)")
+        proxy_long = _get(during, "extra", "proxy", "long_ttft_s", "p50")
+        if proxy_long is not None:
+            lines.append(f"phasewatch stored the long prompt's TTFT as {ms(proxy_long)} ms"
+                         + (f" (chunked prefill {chunked})" if chunked else ""))
+    if "on" in stalls and "off" in stalls:
+        lines.append(
+            f"chunked prefill on against off: the short stream's longest stall "
+            f"{ms(stalls['on'])} ms against {ms(stalls['off'])} ms "
+            f"(off is {_ratio(stalls['on'], stalls['off'])} on)")
+    if summary.get("same_step"):
+        lines.append(f"on and off cannot differ here: {summary['same_step']}")
+    if p.get("chunked_prefill", "as-is") == "as-is" and (run["engine"] or {}).get("sim"):
+        lines.append("the simulator can measure both settings in one run: "
+                     "--chunked-prefill both")
+    return lines
+
+
 def _goodput_lines(summary: Row, points: Sequence[Row]) -> list[str]:
     slo = summary.get("slo") or {}
-    objective = (f"{slo.get('quantile')} TTFT <= {ms(slo.get('ttft_s'), 0)} ms and "
-                 f"{slo.get('quantile')} ITL <= {ms(slo.get('itl_s'), 1)} ms")
+    share = int(str(slo.get("quantile", "p95")).removeprefix("p"))
+    objective = (f"{share}% of requests good (TTFT <= {ms(slo.get('ttft_s'), 0)} ms and TPOT "
+                 f"<= {ms(slo.get('itl_s'), 1)} ms each)")
+    if "judged" not in slo:  # stored by an older bench: the words below would misstate it
+        return [f"best rate {summary.get('best_rate')} req/s, next {summary.get('next_rate')} "
+                "req/s, judged by an older bench on quantiles of TTFT and of per-chunk ITL, "
+                "not per request"]
     by_step = {p["step"]: p for p in points}
     best, nxt = by_step.get(summary.get("best_step")), by_step.get(summary.get("next_step"))
     if best is None and nxt is not None:
-        return [f"no rate tried meets {objective}: the lowest, {nxt['x_value']:g} req/s, missed "
+        return [f"no rate tried has {objective}: the lowest, {nxt['x_value']:g} req/s, missed "
                 f"({'; '.join(_get(nxt, 'extra', 'slo_misses') or [])})"]
     if best is not None and nxt is None:
-        return [f"every rate tried up to {best['x_value']:g} req/s meets {objective} (raise "
-                "--max-rate to find the limit)"]
+        return [f"every rate tried up to {best['x_value']:g} req/s has {objective}: raise "
+                "--max-rate to find the limit"]
     if best is None or nxt is None:
         return []
-    return [
-        f"highest rate meeting {objective}: {best['x_value']:g} req/s (goodput "
-        f"{num(best['goodput_rps'], 2)} req/s); the next step, {nxt['x_value']:g} req/s, "
+    lines = [
+        f"highest rate with {objective}: {best['x_value']:g} req/s, goodput there "
+        f"{num(best['goodput_rps'], 2)} req/s; the next step, {nxt['x_value']:g} req/s, "
         f"missed: {'; '.join(_get(nxt, 'extra', 'slo_misses') or [])}"]
+    more = [p for p in points if _get(p, "extra", "slo_met") is False
+            and (p["goodput_rps"] or 0) > (best["goodput_rps"] or 0)]
+    if more:
+        top = max(more, key=lambda p: p["goodput_rps"])
+        lines.append(
+            f"{top['x_value']:g} req/s served more good requests per second "
+            f"({num(top['goodput_rps'], 2)}), but only "
+            f"{_percent(_get(top, 'extra', 'figures', 'slo_attainment'))}% of its requests were "
+            f"good: the search asks that {share}% be good, not for the most good requests")
+    return lines
 
 
 def render(run: Row, points: Sequence[Row]) -> str:

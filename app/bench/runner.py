@@ -85,14 +85,14 @@ async def _join_proxy(ctx: Context) -> dict[str, Any]:
     records = await run_records(ctx.session, ctx.target.url, ctx.run_id, ctx.sent)
     by_id = {r["request_id"]: r for r in records}
     scale = ctx.scale
-    if ctx.phase_requests:  # interference: by phase, and the long prompt's own record
-        for step, point in enumerate(ctx.points):
-            name = point["extra"]["phase"]
-            mine = [by_id[i] for ids in ctx.phase_requests for i in ids[name] if i in by_id]
+    if ctx.phase_requests:  # interference: by setting and phase, and the long prompt's own
+        for point in ctx.points:
+            name, chunked = point["extra"]["phase"], point["extra"]["chunked_prefill"] or ""
+            rounds = [ids for ids in ctx.phase_requests if ids["chunked"] == chunked]
+            mine = [by_id[i] for ids in rounds for i in ids[name] if i in by_id]
             point["extra"]["proxy"] = proxy_figures(mine, scale)
-            if step == 1:
-                longs = [by_id[i] for ids in ctx.phase_requests for i in ids["long"]
-                         if i in by_id]
+            if name == "during":
+                longs = [by_id[i] for ids in rounds for i in ids["long"] if i in by_id]
                 point["extra"]["proxy"]["long_ttft_s"] = proxy_figures(longs, scale)["ttft_s"]
     else:
         grouped: dict[int, list[dict[str, Any]]] = {}
@@ -134,13 +134,15 @@ async def run_bench(options: BenchOptions, store: RunStore | None = None,
                 summary["approximate_prompts"] = True
         except BaseException as exc:
             run.update(status="failed", finished_at=datetime.now(UTC),
+                       parameters={**run["parameters"], **ctx.resolved},
                        summary={**summary, "error": f"{type(exc).__name__}: {exc}"[:500]})
             if store is not None:
                 await store.finish(run, ctx.points)
             raise
         finally:
             progress.stop()
-        run.update(status="finished", finished_at=datetime.now(UTC), summary=summary)
+        run.update(status="finished", finished_at=datetime.now(UTC), summary=summary,
+                   parameters={**run["parameters"], **ctx.resolved})
         if store is not None:
             await store.finish(run, ctx.points)
     return RunResult(run, ctx.points)

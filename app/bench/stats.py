@@ -7,6 +7,11 @@ point instead, and reports p50/p90/p95/p99 of TTFT and ITL, the achieved concurr
 against an SLO pair and error kinds (definitions in docs/bench.md). Throughput is measured, not
 derived: tokens of successful requests divided by the wall-clock span (first send -> last end).
 
+Goodput has one definition, per request, as `vllm bench serve --goodput ttft:T tpot:I` has it:
+a request is good when it succeeded, its TTFT is at most T and its TPOT (its mean gap between
+tokens) at most I. Goodput is good requests / span; a point meets the SLO when at least the
+`quantile`'s share of its requests (95 % for p95) is good. The same `Slo.good` decides both.
+
 `scale` divides every duration (and multiplies throughput) so results from a simulator running
 at `--time-scale S` are reported in its model time; 1 for a real server.
 """
@@ -79,17 +84,30 @@ def named_quantiles(values: Sequence[float]) -> dict[str, float | None]:
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    """A TTFT and ITL objective pair: the `quantile` of each must be at or under its threshold,
-    and at most `max_error_rate` of the requests may fail."""
+    """A TTFT and ITL objective pair, judged per request (`good`): a point meets it when the
+    `quantile`'s share of its requests is good (p95: 95 %) and at most `max_error_rate` of them
+    failed. The ITL objective applies to each request's TPOT, as vLLM's goodput does."""
 
     ttft_s: float
     itl_s: float
-    quantile: str = "p95"  # one of p50, p90, p95, p99
+    quantile: str = "p95"  # one of p50, p90, p95, p99: the share of requests that must be good
     max_error_rate: float = 0.0
 
+    @property
+    def attainment(self) -> float:
+        """The share of requests that must be good: 0.95 for p95."""
+        return int(self.quantile.removeprefix("p")) / 100
+
     def describe(self) -> str:
-        return (f"{self.quantile} TTFT <= {self.ttft_s * 1e3:g} ms and {self.quantile} ITL <= "
-                f"{self.itl_s * 1e3:g} ms, errors <= {self.max_error_rate:.0%}")
+        return (f"{self.attainment:.0%} of requests with TTFT <= {self.ttft_s * 1e3:g} ms and "
+                f"TPOT <= {self.itl_s * 1e3:g} ms, errors <= {self.max_error_rate:.0%}")
+
+    def good(self, result: RequestResult, scale: float = 1.0) -> bool:
+        """The one test of a request, for goodput and the verdict alike (model seconds)."""
+        tpot = tpot_s(result)
+        return (result.ok and result.ttft_s is not None
+                and result.ttft_s / scale <= self.ttft_s
+                and (tpot is None or tpot / scale <= self.itl_s))
 
 
 def tpot_s(result: RequestResult) -> float | None:
@@ -129,6 +147,7 @@ class Figures:
     itl_s: dict[str, float | None]  # over every chunk gap of ok requests, pooled
     itl_max_s: float | None
     tpot_p50_s: float | None  # median over ok requests of each one's TPOT
+    tpot_s: dict[str, float | None]  # quantiles of the same per-request TPOTs
     e2e_p50_s: float | None
     prompt_tokens: int  # of ok requests, from usage
     output_tokens: int
@@ -139,8 +158,11 @@ class Figures:
     request_rps: float  # ok requests / span
     concurrency_mean: float  # sum of every request's send -> end, / span (Little's law)
     concurrency_max: int
-    goodput_rps: float | None  # ok requests meeting the SLO pair / span; None without an SLO
-    slo_requests_met: int | None
+    goodput_rps: float | None  # good requests (Slo.good) / span; None without an SLO
+    slo_requests_met: int | None  # good requests
+    slo_attainment: float | None  # good requests / requests (failed ones count as not good)
+    slo_ttft_over: int | None  # ok requests over the TTFT objective
+    slo_itl_over: int | None  # ok requests over the ITL objective (their TPOT)
 
     def flat(self) -> dict[str, float | None]:
         """The figures a repeat is compared on, by name (the spread between repeats)."""
@@ -173,13 +195,11 @@ def figures(
     output = sum(r.output_tokens or 0 for r in ok)
     span = span_s / scale
     busy = sum(max(0, r.ended_ns - r.sent_ns) for r in results) / 1e9 / scale
-    met: int | None = None
+    met = ttft_over = itl_over = None
     if slo is not None:
-        met = sum(
-            1 for r in ok
-            if r.ttft_s is not None and r.ttft_s / scale <= slo.ttft_s
-            and ((t := tpot_s(r)) is None or t / scale <= slo.itl_s)
-        )
+        met = sum(1 for r in ok if slo.good(r, scale))
+        ttft_over = sum(1 for r in ok if r.ttft_s is None or r.ttft_s / scale > slo.ttft_s)
+        itl_over = sum(1 for r in ok if (t := tpot_s(r)) is not None and t / scale > slo.itl_s)
 
     def per_s(count: float) -> float:
         return count / span if span > 0 else 0.0
@@ -192,6 +212,7 @@ def figures(
         itl_s=named_quantiles(gaps),
         itl_max_s=max(gaps) if gaps else None,
         tpot_p50_s=percentile(sorted(tpots), 0.5),
+        tpot_s=named_quantiles(tpots),
         e2e_p50_s=percentile(sorted(r.e2e_s / scale for r in ok), 0.5),
         prompt_tokens=prompt,
         output_tokens=output,
@@ -204,21 +225,23 @@ def figures(
         concurrency_max=concurrency_max(results),
         goodput_rps=None if met is None else per_s(met),
         slo_requests_met=met,
+        slo_attainment=None if met is None or not results else met / len(results),
+        slo_ttft_over=ttft_over,
+        slo_itl_over=itl_over,
     )
 
 
 def slo_verdict(fig: Figures, slo: Slo) -> tuple[bool, list[str]]:
-    """Whether a point meets the SLO pair, and the reasons it does not."""
+    """Whether a point meets the SLO pair (enough good requests, few enough failures), and
+    the reasons it does not. `fig` must have been computed with the same `slo`."""
     reasons: list[str] = []
-    ttft, itl = fig.ttft_s[slo.quantile], fig.itl_s[slo.quantile]
-    if ttft is None or ttft > slo.ttft_s:
-        reasons.append(f"{slo.quantile} TTFT {_ms(ttft)} > {slo.ttft_s * 1e3:g} ms")
-    if itl is None or itl > slo.itl_s:
-        reasons.append(f"{slo.quantile} ITL {_ms(itl)} > {slo.itl_s * 1e3:g} ms")
+    attained = fig.slo_attainment
+    if attained is None or attained < slo.attainment:
+        reasons.append(
+            f"{fig.slo_requests_met or 0} of {fig.requests} requests good "
+            f"({attained or 0:.1%}, needs {slo.attainment:.0%}): {fig.slo_ttft_over or 0} over "
+            f"the TTFT objective {slo.ttft_s * 1e3:g} ms, {fig.slo_itl_over or 0} over the ITL "
+            f"objective {slo.itl_s * 1e3:g} ms (TPOT), {fig.errors} failed")
     if fig.errors > slo.max_error_rate * fig.requests:
         reasons.append(f"{fig.errors} of {fig.requests} requests failed")
     return not reasons, reasons
-
-
-def _ms(value: float | None) -> str:
-    return "none" if value is None else f"{value * 1e3:.1f} ms"

@@ -6,19 +6,26 @@ and the proxy's records of the same requests (`requests.run_id`) sit side by sid
 `/api/runs` serves the runs. The schema is checked as the proxy checks it: a new database is
 migrated, one that is behind is refused with what to run.
 
+Reading (`runs list|show|compare`) opens the store `read_only`: a database that does not exist
+is never created (SQLite would create an empty file on connect) and an empty one is never
+migrated; `NoDatabase` names the place that was read instead. `where` says which file or server
+a URL means (a relative SQLite path is relative to the working directory).
+
 Rows go in and come out exactly as `phasewatch.bench.result` shapes them, so a stored run
 renders the same report as the run that stored it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from phasewatch.bench.result import POINT_COLUMNS, RUN_COLUMNS, RunResult
-from phasewatch.core.db import create_engine, create_sessionmaker
-from phasewatch.store.migrate import prepare_schema
+from phasewatch.core.db import create_engine, create_sessionmaker, is_sqlite
+from phasewatch.store.migrate import prepare_schema, schema_state
 from phasewatch.store.queries import get_run, list_runs, run_ids_starting_with
 from phasewatch.store.runs import begin_run, complete_run
 
@@ -27,16 +34,48 @@ class RunNotFound(LookupError):
     """No run, or more than one, answers to the id given; the message says which."""
 
 
+class NoDatabase(LookupError):
+    """Reading found no database, or one without phasewatch's tables; nothing was created."""
+
+
+def where(database_url: str) -> str:
+    """The database a URL names, for people: a SQLite file's absolute path, else the URL
+    without credentials."""
+    if is_sqlite(database_url):
+        database = make_url(database_url).database
+        if not database or database == ":memory:":
+            return "an in-memory SQLite database"
+        return str(Path(database).resolve())
+    return database_url.split("@")[-1]
+
+
+def _is_file(path: str) -> bool:
+    return Path(path).is_file()  # one stat, before any connection: not worth a thread
+
+
 class RunStore:
-    def __init__(self, database_url: str, auto_upgrade: bool = False) -> None:
+    def __init__(self, database_url: str, auto_upgrade: bool = False,
+                 read_only: bool = False) -> None:
         self.url = database_url
         self.auto_upgrade = auto_upgrade
+        self.read_only = read_only
         self._engine: AsyncEngine | None = None
         self._sessions: async_sessionmaker[AsyncSession] | None = None
 
     async def __aenter__(self) -> RunStore:
+        if self.read_only and is_sqlite(self.url):
+            database = make_url(self.url).database
+            if database and database != ":memory:" and not _is_file(database):
+                raise NoDatabase(f"no database at {self.safe_url}, so no runs; nothing was "
+                                 "created")
         self._engine = create_engine(self.url)
-        await prepare_schema(self._engine, self.url, self.auto_upgrade)
+        try:
+            if self.read_only and (await schema_state(self._engine)).empty:
+                raise NoDatabase(f"{self.safe_url} has no phasewatch tables, so no runs")
+            await prepare_schema(self._engine, self.url, self.auto_upgrade)
+        except BaseException:
+            await self._engine.dispose()
+            raise
         self._sessions = create_sessionmaker(self._engine)
         return self
 
@@ -83,5 +122,6 @@ class RunStore:
 
     @property
     def safe_url(self) -> str:
-        """The URL without credentials, for messages."""
-        return self.url.split("@")[-1]
+        """Where the store is, for messages: a SQLite file's absolute path, or the URL without
+        credentials."""
+        return where(self.url)

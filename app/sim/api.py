@@ -1,4 +1,5 @@
-"""The simulator's HTTP routes: vLLM's OpenAI-compatible API plus two `/sim/` inspection routes.
+"""The simulator's HTTP routes: vLLM's OpenAI-compatible API, two `/sim/` inspection routes and
+`POST /sim/config`, the chunked-prefill switch.
 
 Routes validate, hand the request to the engine, and return a response object that streams
 the engine's tokens as they fall due. The streaming response is written directly against ASGI
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from phasewatch.sim.config import SimConfigError
 from phasewatch.sim.engine import SimRequest, TokenEvent
 from phasewatch.sim.faults import FAULT_HEADER, Fault, FaultSyntaxError, parse_fault
 from phasewatch.sim.protocol import (
@@ -420,6 +422,26 @@ async def metrics(request: Request) -> Response:
 async def sim_state(request: Request) -> Response:
     sim = _state(request)
     return _json({**sim.engine.state(), "config": sim.config.summary()})
+
+
+@router.post("/sim/config")
+async def sim_config(request: Request) -> Response:
+    """Switch chunked prefill while serving: `{"enable_chunked_prefill": false}`. It is the one
+    setting that can change (from the next step); the answer is the new configuration."""
+    sim = _state(request)
+    try:
+        body = parse_json(await request.body())
+        enabled = body.get("enable_chunked_prefill")
+        if set(body) != {"enable_chunked_prefill"} or not isinstance(enabled, bool):
+            raise ApiError(
+                'send {"enable_chunked_prefill": true} or false: it is the one setting that '
+                "can change while the simulator serves", param="enable_chunked_prefill")
+        config = sim.set_chunked_prefill(enabled)
+    except ApiError as exc:
+        return _error(exc)
+    except SimConfigError as exc:
+        return _error(ApiError(str(exc), param="enable_chunked_prefill"))
+    return _json({"config": config.summary()})
 
 
 @router.get("/sim/requests/{request_id}")

@@ -23,7 +23,9 @@ from phasewatch.sim.config import (
     SimSettings,
     load_sim_settings,
     resolve,
+    scheduler_config,
     scheduler_for,
+    with_chunked_prefill,
 )
 from phasewatch.sim.engine import Engine, ModelClock
 from phasewatch.sim.faults import Fault, parse_fault
@@ -36,8 +38,9 @@ log = logging.getLogger("phasewatch.sim")
 TIME_SCALE_HEADER = b"x-sim-time-scale"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SimState:
+    # `settings` and `config` change only through `set_chunked_prefill`; the rest is fixed.
     settings: SimSettings
     config: ResolvedConfig
     registry: CollectorRegistry
@@ -49,6 +52,19 @@ class SimState:
     seed: int
     eos_probability: float
     started: int  # unix seconds, for /v1/models
+
+    def set_chunked_prefill(self, enabled: bool) -> ResolvedConfig:
+        """Switch chunked prefill while serving; the scheduler plans its next step with the
+        budget the new setting resolves to. vLLM reads the flag once, at start: the simulator
+        lets one benchmark compare both settings (`phasewatch bench interference
+        --chunked-prefill both`). Raises SimConfigError if the new setting cannot work."""
+        settings = with_chunked_prefill(self.settings, enabled)
+        config = resolve(settings)
+        self.engine.scheduler.config = scheduler_config(config)
+        self.settings, self.config = settings, config
+        log.info("chunked prefill switched %s: max_num_batched_tokens=%d",
+                 "on" if enabled else "off", config.max_num_batched_tokens)
+        return config
 
 
 def startup_line(config: ResolvedConfig) -> str:

@@ -364,15 +364,23 @@ def resolve(settings: SimSettings) -> ResolvedConfig:
     )
 
 
+def scheduler_config(config: ResolvedConfig) -> SchedulerConfig:
+    """The scheduler's limits under this configuration."""
+    return SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+    )
+
+
 def scheduler_for(config: ResolvedConfig) -> Scheduler:
     """A fresh scheduler with this configuration's limits and cost model."""
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            num_kv_blocks=config.num_kv_blocks,
-            block_size=config.block_size,
-        ),
-        config.cost_model,
-    )
+    return Scheduler(scheduler_config(config), config.cost_model)
+
+
+def with_chunked_prefill(settings: SimSettings, enabled: bool) -> SimSettings:
+    """The same settings with chunked prefill switched; `resolve` then gives the budget vLLM
+    would run with (the one configured or the preset's on, at least max_model_len off)."""
+    return settings.model_copy(update={"enable_chunked_prefill": enabled})

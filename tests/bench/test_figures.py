@@ -11,10 +11,11 @@ from phasewatch.bench.client import RequestResult
 from phasewatch.bench.compare import MOVED, UNKNOWN, WITHIN, changes, verdict
 from phasewatch.bench.errors import WorkloadError
 from phasewatch.bench.load import poisson_offsets
+from phasewatch.bench.long_prompt import size_long_prompt
 from phasewatch.bench.prompts import PromptBuilder
 from phasewatch.bench.result import point_row, spread
 from phasewatch.bench.stats import Slo, concurrency_max, figures, slo_verdict
-from phasewatch.bench.target import cache_config
+from phasewatch.bench.target import cache_config, scheduler_config
 
 MS = 1_000_000  # ns
 
@@ -82,10 +83,27 @@ def test_goodput_counts_requests_meeting_both_objectives() -> None:
           result(0, 50, [10] * 4, ok=False)]  # failed
     fig = figures(rs, span_s=1.0, slo=slo)
     assert fig.slo_requests_met == 1 and fig.goodput_rps == pytest.approx(1.0)
+    assert fig.slo_attainment == pytest.approx(0.25)  # the failed request is not good
+    assert (fig.slo_ttft_over, fig.slo_itl_over) == (1, 1)
     met, reasons = slo_verdict(fig, slo)
-    assert not met and reasons == ["1 of 4 requests failed"]
-    met, reasons = slo_verdict(fig, Slo(0.1, 0.005, "p50", max_error_rate=0.5))
-    assert not met and reasons == ["p50 ITL 10.0 ms > 5 ms"]
+    assert not met and reasons == [
+        "1 of 4 requests good (25.0%, needs 50%): 1 over the TTFT objective 100 ms, 1 over "
+        "the ITL objective 20 ms (TPOT), 1 failed", "1 of 4 requests failed"]
+    # Looser objectives: 3 of 4 are good, at least the half p50 asks for.
+    loose = Slo(0.2, 0.04, "p50", max_error_rate=0.5)
+    fig = figures(rs, span_s=1.0, slo=loose)
+    assert slo_verdict(fig, loose) == (True, []) and fig.goodput_rps == pytest.approx(3.0)
+
+
+def test_the_verdict_counts_requests_good_on_both_objectives_at_once() -> None:
+    # Half the requests are slow to start, the other half slow per token: p50 TTFT and p50
+    # TPOT are each within the objectives, but no request meets both.
+    slo = Slo(ttft_s=0.1, itl_s=0.02, quantile="p50")
+    rs = [result(0, 50, [30] * 4), result(0, 150, [10] * 4)] * 2
+    fig = figures(rs, span_s=1.0, slo=slo)
+    assert fig.ttft_s["p50"] == pytest.approx(0.05) and fig.tpot_s["p50"] == pytest.approx(0.01)
+    assert fig.slo_requests_met == 0 and fig.goodput_rps == 0
+    assert slo_verdict(fig, slo)[0] is False
 
 
 def test_a_point_keeps_each_repeat_and_the_spread_between_them() -> None:
@@ -131,6 +149,20 @@ def test_vllm_cache_config_labels_are_read_from_metrics() -> None:
     assert cache_config("phasewatch_requests_total 3.0\n") is None
 
 
+def test_vllm_scheduler_budget_is_read_from_server_info() -> None:
+    # GET /server_info?config_format=json (VLLM_SERVER_DEV_MODE=1): the VllmConfig, dumped.
+    info = {"vllm_config": {"scheduler_config": {"max_num_batched_tokens": 8192,
+                                                 "enable_chunked_prefill": True}},
+            "vllm_env": {}}
+    assert scheduler_config(info) == {"max_num_batched_tokens": 8192,
+                                      "enable_chunked_prefill": True, "from": "/server_info"}
+    older = {"vllm_config": {"scheduler_config": {"max_num_batched_tokens": 2048,
+                                                  "chunked_prefill_enabled": False}}}
+    assert scheduler_config(older)["enable_chunked_prefill"] is False  # type: ignore[index]
+    assert scheduler_config({"vllm_config": "VllmConfig(...)"}) is None  # the text format
+    assert scheduler_config(None) is None
+
+
 class Counted(PromptBuilder):
     """A prompt builder whose tokenizer is a function: no server needed to test the search."""
 
@@ -159,3 +191,22 @@ def test_prompts_hit_the_exact_count_whatever_a_word_costs(
 def test_a_count_no_prompt_can_have_is_refused() -> None:
     with pytest.raises(WorkloadError, match="exactly 2 tokens"):
         asyncio.run(Counted(lambda text: 5 * len(text.split())).prompt(2))
+
+
+def test_the_long_prompt_is_sized_past_the_budget_and_says_when_it_cannot_be() -> None:
+    # vLLM's budget on a 70 GiB+ GPU: four chunks, capped by max_model_len.
+    h100 = size_long_prompt(None, 8192, True, 32768, 4)
+    assert (h100.tokens, h100.same_step) == (32764, None)
+    assert size_long_prompt(None, 2048, True, 32768, 4).tokens == 8192  # a T4's budget
+    # Unknown, or chunked prefill off (its budget is max_model_len): twice vLLM's largest.
+    assert size_long_prompt(None, None, None, 131072, 4).tokens == 16384
+    off = size_long_prompt(None, 32768, False, 32768, 4)
+    assert off.tokens == 16384 and "chunked prefill is off" in off.how and off.same_step is None
+    # The old default under an 8192-token budget: one step either way, and the report says so.
+    old = size_long_prompt(8000, 8192, True, 131072, 4)
+    assert old.tokens == 8000 and old.same_step is not None
+    assert "fits in one step of max_num_batched_tokens 8192" in old.same_step
+    assert "above 8191" in old.same_step
+    short = size_long_prompt(None, 8192, True, 8192, 4)  # max_model_len leaves no room
+    assert short.tokens == 8188 and short.same_step is not None
+    assert "lower the server's --max-num-batched-tokens" in short.same_step

@@ -134,14 +134,34 @@ def test_an_unreachable_target_fails_with_a_sentence(
     code = main(["bench", "concurrency", "--url", url, "--no-store", "--quiet",
                  "--out", str(tmp_path)])
     assert code == 1
-    assert f"{url}/v1/models did not list any model" in capsys.readouterr().err
+    assert f"connection refused at {url}: nothing is listening there" in (
+        capsys.readouterr().err)
     assert not list(tmp_path.iterdir())
+
+
+def test_chunked_prefill_is_switched_only_on_the_simulator(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = ThreadServer(fake_engine(lambda text: len(text.split()))).start()
+    try:
+        capsys.readouterr()
+        code = main(["bench", "interference", "--url", server.url, "--no-store", "--quiet",
+                     "--no-plots", "--out", str(tmp_path), "--chunked-prefill", "both"])
+        err = capsys.readouterr().err
+    finally:
+        server.stop()
+    assert code == 1
+    assert "--chunked-prefill both switches phasewatch's simulator" in err
+    assert "--no-enable-chunked-prefill" in err and "runs compare" in err
 
 
 class Interrupt:
     """A progress display that presses Ctrl-C after the first finished step."""
 
-    def start(self, total: int | None, description: str) -> None:
+    def start(self, total: int | None, description: str, at_most: bool = False) -> None:
+        pass
+
+    def revise(self, total: int, at_most: bool) -> None:
         pass
 
     def advance(self, label: str) -> None:
