@@ -51,11 +51,12 @@ def test_serve_refuses_bad_configuration_with_a_sentence() -> None:
     assert "invalid configuration: PHASEWATCH_UPSTREAM_URL='nope' is invalid" in result.stderr
 
 
-def test_serve_runs_the_proxy(scripted_url: str) -> None:
+def test_serve_runs_the_proxy(scripted_url: str, tmp_path: Path) -> None:
     port = free_port()
     args = ["-m", "phasewatch.cli", "serve", "--upstream", scripted_url, "--port", str(port)]
-    with subprocess_server(args, f"http://127.0.0.1:{port}/api/health",
-                           env={"PHASEWATCH_LOG_LEVEL": "warning"}):
+    with subprocess_server(args, f"http://127.0.0.1:{port}/api/health", env={
+            "PHASEWATCH_LOG_LEVEL": "warning",
+            "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'pw.db'}"}):
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "scripted"
         assert len(models.headers.get_list("date")) <= 1
