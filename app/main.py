@@ -26,7 +26,6 @@ from typing import Any
 import aiohttp
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import make_url
 from starlette.datastructures import State
@@ -34,13 +33,13 @@ from starlette.exceptions import HTTPException
 
 from phasewatch import __version__
 from phasewatch.api import diagnosis as diagnosis_api
+from phasewatch.api import probes as probes_api
 from phasewatch.api import requests as requests_api
 from phasewatch.api import runs as runs_api
 from phasewatch.api import stats as stats_api
 from phasewatch.api.errors import (
     DATABASE_ERRORS,
     database_error,
-    error_response,
     http_error,
     reject_nul,
     validation_error,
@@ -63,7 +62,7 @@ from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveGauges, LiveStreams
 from phasewatch.proxy.passthrough import pass_through
 from phasewatch.proxy.relay import ENDPOINTS, relay
-from phasewatch.proxy.shutdown import Shutdown, Stage
+from phasewatch.proxy.shutdown import Shutdown
 from phasewatch.proxy.upstream import create_upstream_session
 from phasewatch.proxy.upstream_pool import UpstreamPool
 from phasewatch.store.leader import Duty, Leadership, LeadershipMetrics, leader_lock
@@ -238,38 +237,14 @@ def create_app(
     app.add_exception_handler(HTTPException, http_error)
     for error in DATABASE_ERRORS:
         app.add_exception_handler(error, database_error)
-    for router in (requests_api.router, runs_api.router, stats_api.router, diagnosis_api.router):
+    for router in (requests_api.router, runs_api.router, stats_api.router, diagnosis_api.router,
+                   probes_api.router):
         app.include_router(router, dependencies=[Depends(reject_nul)])
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
         data, content_type = await exposition.latest(request.headers.get("accept", ""))
         return Response(data, media_type=content_type)
-
-    @app.get("/api/ready", responses={503: {"description": "not ready: shutting down, or "
-                                                 "records cannot be stored"}})
-    def ready() -> JSONResponse:
-        """Readiness: whether this process should be sent traffic. 503 from the moment it
-        starts shutting down (SIGTERM), and while its record writer has failed to store for
-        longer than `PHASEWATCH_READY_WRITER_FAILING_S`; `/api/health` is liveness only."""
-        proxy = app.state.proxy
-        reasons = []
-        if proxy.shutdown.stage is not Stage.SERVING:
-            reasons.append(f"shutting down ({proxy.shutdown.stage.value})")
-        failing_s = app.state.writer.failing_for_s()
-        if failing_s > settings.ready_writer_failing_s:
-            reasons.append(f"records have not been stored for {failing_s:.0f} s")
-        if reasons:
-            return error_response(503, "not ready: " + "; ".join(reasons), "not_ready")
-        return JSONResponse({"status": "ready"})
-
-    @app.get("/api/health")
-    def health() -> dict[str, str | int]:
-        """phasewatch's own liveness; `/health` is the upstream's, relayed. `pid` is the
-        process that answered (one of `--workers`); `role` says whether it runs retention,
-        the diagnosis schedule and the engine scrape (`leader`) or not (`follower`)."""
-        return {"status": "ok", "version": __version__, "upstream": settings.upstream_base,
-                "pid": os.getpid(), "role": app.state.leadership.role.value}
 
     return Phasewatch(app, admin)
 

@@ -216,3 +216,11 @@ def test_times_are_utc_with_their_zone(served: Served, api: ApiSchema) -> None:
     started = datetime.fromisoformat(record["started_at"])
     assert record["started_at"].endswith("Z") and started.utcoffset() == timedelta(0)
     assert abs(started - datetime.now(UTC)) < timedelta(minutes=10)
+
+
+def test_the_probes_answer_as_declared(served: Served, api: ApiSchema) -> None:
+    """Liveness and readiness are typed too, and open without the admin token."""
+    health = api.check(httpx.get(served.url + "/api/health"), "/api/health")
+    assert health["status"] == "ok" and health["role"] in ("leader", "follower")
+    assert api.check(httpx.get(served.url + "/api/ready"), "/api/ready") == {"status": "ready"}
+    assert "503" in api.doc["paths"]["/api/ready"]["get"]["responses"]
