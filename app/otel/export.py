@@ -65,7 +65,8 @@ class RequestTrace:
 
     span: trace.Span
     wall_offset_ns: int  # time.time_ns() - perf_counter_ns() when it started
-    upstream_headers: Headers  # the span's context, for the upstream (traceparent, ...)
+    replaces: frozenset[bytes]  # the client's headers it replaces upstream (traceparent, ...)
+    upstream_headers: Headers  # the span's context, for the upstream, in their place
     trace_id: str | None  # hex, when sampled: goes into the metrics' exemplars
 
 
@@ -113,9 +114,18 @@ class OtelExport:
 
     def begin(self, headers: Iterable[tuple[bytes, bytes]], endpoint: str, model: str | None,
               stream: bool, arrival_ns: int) -> RequestTrace | None:
-        """Start the request's span (None when traces are not exported)."""
+        """Start the request's span (None when traces are not exported, or when starting it
+        failed: that is logged, and the request goes on untraced)."""
         if self.tracer_provider is None:
             return None
+        try:
+            return self._begin(headers, endpoint, model, stream, arrival_ns)
+        except Exception:
+            log.exception("could not start a span; the request is relayed untraced")
+            return None
+
+    def _begin(self, headers: Iterable[tuple[bytes, bytes]], endpoint: str, model: str | None,
+               stream: bool, arrival_ns: int) -> RequestTrace:
         fields = self.trace_fields
         carrier = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in headers if name in fields}
@@ -136,7 +146,7 @@ class OtelExport:
         self._propagator.inject(outgoing, context=trace.set_span_in_context(span))
         context = span.get_span_context()
         return RequestTrace(
-            span, wall_offset_ns,
+            span, wall_offset_ns, fields,
             [(name.encode("latin-1"), value.encode("latin-1")) for name, value in outgoing.items()],
             trace.format_trace_id(context.trace_id) if context.trace_flags.sampled else None)
 

@@ -357,9 +357,9 @@ class Exchange:
         if trace is None:
             headers = [(k, v) for k, v in scope["headers"] if k not in NOT_FORWARDED]
         else:  # the engine's spans become children of phasewatch's
-            fields = ctx.otel.trace_fields if ctx.otel is not None else frozenset()
+            replaced = trace.replaces
             headers = [(k, v) for k, v in scope["headers"]
-                       if k not in NOT_FORWARDED and k not in fields]
+                       if k not in NOT_FORWARDED and k not in replaced]
             headers.extend(trace.upstream_headers)
         headers.append((REQUEST_ID, record.request_id.encode("latin-1")))
         request = ctx.pool.request(b"POST", target, headers, self._plan.body)
