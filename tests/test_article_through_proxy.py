@@ -1,14 +1,16 @@
 """The article's asymmetry table, shown end to end: simulator -> phasewatch -> streaming client.
 
-Each simulator runs in a subprocess (its own GIL and event loop); the proxy runs under uvicorn
-in a thread of this process; the client is `phasewatch.bench`'s aiohttp streaming client. Every
-shape is asserted twice: on the client's own measurements, and on what phasewatch stored for
-the same requests (matched by x-request-id) and counted in its metrics registry.
+Each simulator runs in a subprocess (its own GIL and event loop), and so does the proxy, as
+`phasewatch serve` (run in a thread of this process, it shared the client's GIL: a burst's
+client-side work then held the proxy from reading its requests, by tens of milliseconds on a
+busy machine); the client is `phasewatch.bench`'s aiohttp streaming client. Every shape is
+asserted twice: on the client's own measurements, and on what phasewatch stored for the same
+requests (matched by x-request-id) and counted in its `/metrics`.
 
 Clocks: the client and the proxy take `perf_counter_ns()` wall times. Each simulator runs at a
 time-scale S (every modelled duration takes S x its wall time), so measured wall times are
 divided by S to compare with model time; S is chosen per test so that Python's per-chunk
-costs (the client and the proxy share this process's GIL) stay small against a model step
+costs (of the client, the proxy and the simulator, on two cores) stay small against a model step
 (~10 ms) times S, while keeping the whole file near 30 s on a 2-core machine. Expected model
 values come from docs/simulator.md (T4 + Qwen2.5-0.5B), via `app/sim/offline.py`.
 """
@@ -19,9 +21,12 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import pytest
 
 from phasewatch.bench.client import RequestResult, stream_request
@@ -35,8 +40,8 @@ from phasewatch.bench.workload import (
     exact_prompt,
     first_model,
 )
-from tests.conftest import Proxy
-from tests.support.servers import free_port, wait_http
+from tests.support.served import parse_metrics, total
+from tests.support.servers import free_port, subprocess_server, wait_http
 
 # name -> (time-scale, extra `phasewatch sim` flags)
 SIMS: dict[str, tuple[float, list[str]]] = {
@@ -77,6 +82,36 @@ def sims() -> Iterator[dict[str, tuple[str, float]]]:
             proc.wait(timeout=10)
 
 
+class ServedProxy:
+    """`phasewatch serve` in a subprocess, as users run it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def sample(self, name: str, labels: dict[str, str]) -> float:
+        """A series of its `/metrics` (rendered afresh: the cache is off)."""
+        return total(parse_metrics(httpx.get(self.url + "/metrics", timeout=10).text), name,
+                     **labels)
+
+
+@pytest.fixture
+def serve_proxy(tmp_path: Path) -> Iterator[Callable[[str], ServedProxy]]:
+    """Start `phasewatch serve` in front of an upstream; each stops with the test."""
+    with ExitStack() as started:
+        def serve(upstream: str) -> ServedProxy:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            env = {"PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
+                   "PHASEWATCH_METRICS_CACHE_S": "0", "PHASEWATCH_WRITER_FLUSH_INTERVAL_S": "0.02",
+                   "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / f'pw-{port}.db'}"}
+            started.enter_context(subprocess_server(
+                ["-m", "phasewatch.cli", "serve", "--upstream", upstream, "--port", str(port)],
+                url + "/api/health", env=env))
+            return ServedProxy(url)
+
+        yield serve
+
+
 async def prepare(session: aiohttp.ClientSession, url: str, sizes: Sequence[int]) -> tuple[
     str, dict[int, str]
 ]:
@@ -88,7 +123,7 @@ async def prepare(session: aiohttp.ClientSession, url: str, sizes: Sequence[int]
 
 
 async def step(
-    session: aiohttp.ClientSession, proxy: Proxy, body: dict[str, Any], concurrency: int,
+    session: aiohttp.ClientSession, proxy: ServedProxy, body: dict[str, Any], concurrency: int,
     run_id: str, scale: float,
 ) -> tuple[StepStats, list[RequestResult], dict[str, dict[str, Any]]]:
     """One burst through the proxy: the client's summary (model time), its results, and the
@@ -109,8 +144,8 @@ def assert_records_agree(
 
     ITL is compared per request. TTFT differs by construction: the proxy starts its clock when
     it has parsed a request's headers and stops it when it reads the first token, both a little
-    after the client's, and in a burst the client (sharing this process and its GIL with the
-    proxy's thread) opens and writes every request before the proxy has read them all. So per
+    after the client's, and in a burst the client opens and writes every request before the proxy
+    has read them all. So per
     request the proxy's TTFT may be lower but never higher, and the medians must agree within
     10 % + 4 ms (at 64 streams the client spends ~30 model ms just opening connections), which
     a proxy timing the wrong interval (say, without the queue time) would miss by far more.
@@ -135,10 +170,10 @@ def ms(value: float | None) -> float:
 
 
 async def test_longer_prompts_raise_ttft_linearly_and_leave_itl_flat(
-    sims: dict[str, tuple[str, float]], make_proxy: Callable[..., Proxy]
+    sims: dict[str, tuple[str, float]], serve_proxy: Callable[[str], ServedProxy]
 ) -> None:
     sim_url, scale = sims["default"]
-    proxy = make_proxy(sim_url)
+    proxy = serve_proxy(sim_url)
     rows: dict[int, StepStats] = {}
     async with client_session(4) as session:
         model, prompts = await prepare(session, proxy.url, (64, 256, 1024, 4096))
@@ -161,10 +196,10 @@ async def test_longer_prompts_raise_ttft_linearly_and_leave_itl_flat(
 
 
 async def test_concurrency_raises_itl_far_less_than_proportionally_and_throughput_climbs(
-    sims: dict[str, tuple[str, float]], make_proxy: Callable[..., Proxy]
+    sims: dict[str, tuple[str, float]], serve_proxy: Callable[[str], ServedProxy]
 ) -> None:
     sim_url, scale = sims["crowd"]
-    proxy = make_proxy(sim_url)
+    proxy = serve_proxy(sim_url)
     rows: dict[int, StepStats] = {}
     itl_gaps_stored = 0
     async with client_session(64) as session:
@@ -194,10 +229,10 @@ async def test_concurrency_raises_itl_far_less_than_proportionally_and_throughpu
 
 
 async def test_past_max_num_seqs_ttft_rises_from_queueing_while_itl_stays_flat(
-    sims: dict[str, tuple[str, float]], make_proxy: Callable[..., Proxy]
+    sims: dict[str, tuple[str, float]], serve_proxy: Callable[[str], ServedProxy]
 ) -> None:
     sim_url, scale = sims["four_seqs"]
-    proxy = make_proxy(sim_url)
+    proxy = serve_proxy(sim_url)
     async with client_session(16) as session:
         model, prompts = await prepare(session, proxy.url, (256,))
         body = completion_body(model, prompts[256], 32)
@@ -217,7 +252,7 @@ async def test_past_max_num_seqs_ttft_rises_from_queueing_while_itl_stays_flat(
 
 
 async def long_prompt_against_a_stream(
-    sim: tuple[str, float], proxy: Proxy, run_id: str
+    sim: tuple[str, float], proxy: ServedProxy, run_id: str
 ) -> tuple[float, float, float]:
     """A short stream decodes; 0.3 s (model) in, an 8000-token prompt arrives. Returns the
     short stream's largest chunk gap (client), the same from phasewatch's record, and the long
@@ -241,12 +276,12 @@ async def long_prompt_against_a_stream(
 
 
 async def test_a_long_prompt_stalls_other_streams_unless_prefill_is_chunked(
-    sims: dict[str, tuple[str, float]], make_proxy: Callable[..., Proxy]
+    sims: dict[str, tuple[str, float]], serve_proxy: Callable[[str], ServedProxy]
 ) -> None:
     off = await long_prompt_against_a_stream(
-        sims["unchunked"], make_proxy(sims["unchunked"][0]), "unchunked")
+        sims["unchunked"], serve_proxy(sims["unchunked"][0]), "unchunked")
     on = await long_prompt_against_a_stream(
-        sims["chunked"], make_proxy(sims["chunked"][0]), "chunked")
+        sims["chunked"], serve_proxy(sims["chunked"][0]), "chunked")
     # Model: off, one ~750 ms step with every decode waiting; on (512-token chunks), bumps of
     # ~60 ms, one per chunk; the long prompt's own TTFT 784 -> 852 ms (the trade-off).
     assert off[0] > 600 and abs(off[1] - off[0]) < 5
