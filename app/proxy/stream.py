@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import orjson
+
 from phasewatch.core.events import (
     EventInfo,
     Kind,
@@ -31,9 +33,14 @@ from phasewatch.core.events import (
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.core.sse import SSEDecoder, event_data
 from phasewatch.proxy.request_plan import RequestPlan
-from phasewatch.proxy.timing import StreamTiming
+from phasewatch.proxy.timing import Counting, StreamTiming
 
 _COMMENT = EventInfo(Kind.OTHER)
+_OPEN_CHOICE = b'"choices":[{'
+_ERROR_KEY = b'"error":'
+_FINISH_KEY = b'"finish_reason":'
+_NOT_FINISHED = b'"finish_reason":null'
+_USAGE_KEY = b'"usage":{'
 
 
 class StreamFeed:
@@ -59,6 +66,10 @@ class StreamFeed:
             # The usual read: exactly one whole one-line event (vLLM writes each chunk in one
             # piece). The splitter would return it unchanged, and its data is what follows
             # `data: `: skip both.
+            if self._timing.counting is Counting.EXACT and not self._held:
+                out = self._token_chunk(data, now)
+                if out is not None:
+                    return out
             info = self._note_data(data[6:-2], now)
             if info.kind is Kind.DONE:
                 self.done = True
@@ -77,6 +88,45 @@ class StreamFeed:
                     self.done = True
             return data
         return self._rewrite([(raw, self._note(raw, now)) for raw in events])
+
+    def _token_chunk(self, data: bytes, now: int) -> bytes | None:
+        """Time and forward one whole event that is a running chunk of an exactly counted
+        stream, read from its bytes; None (nothing done) when it is not plainly one.
+
+        Once a stream counts exactly, its time goes on its running usage alone (timing.py), so
+        a chunk needs no full parse: what `classify` would find is read off the compact JSON
+        vLLM writes. One choice with `"finish_reason":null` (so no terminal chunk to hold),
+        no `error` key, and a flat `"usage":{...}` object, which alone is parsed. Those byte
+        patterns cannot occur inside a JSON string, where every quote is escaped. Anything
+        else (the role chunk, a terminal chunk, the closing usage chunk, an error, spaced
+        JSON) takes the general path, which this one agrees with wherever both apply.
+        """
+        if (not data.startswith(b'data: {"') or not data.endswith(b'}\n\n')
+                or _OPEN_CHOICE not in data or _ERROR_KEY in data
+                or data.count(_FINISH_KEY) != 1 or _NOT_FINISHED not in data):
+            return None
+        start = data.rfind(_USAGE_KEY)
+        if start < 0:
+            return None
+        brace = start + len(_USAGE_KEY) - 1
+        end = data.find(b"}", brace)
+        if end < 0 or data.find(b"{", brace + 1, end) >= 0:
+            return None  # nested objects in usage (token details): the general path
+        try:
+            usage = orjson.loads(data[brace:end + 1])
+        except orjson.JSONDecodeError:
+            return None
+        completion = usage.get("completion_tokens")
+        if type(completion) is not int:
+            return None
+        timing = self._timing
+        timing.completion_tokens = completion
+        timing.prompt_tokens = usage.get("prompt_tokens")
+        timing.event(now, completion, 0)
+        if not self._strip_chunk:
+            return data
+        cut = start - 1 if data[start - 1] == 0x2C else start  # also drop the comma
+        return data[:cut] + data[end + 1:]
 
     def _rewrite(self, events: Iterable[tuple[bytes, EventInfo]]) -> bytes:
         """The bytes to forward for these timed events, with usage the client did not ask for
