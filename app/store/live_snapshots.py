@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import Table, delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from phasewatch.core.live import InFlight
@@ -31,10 +31,13 @@ class StoredSnapshot:
 async def put_snapshot(session: AsyncSession, process: str, taken_at: datetime,
                        requests: Sequence[InFlight], stale_before: datetime) -> None:
     """Replace `process`'s snapshot and delete every row taken before `stale_before`."""
-    items: list[dict[str, Any]] = [r.as_dict() for r in requests]
-    await session.execute(delete(LiveSnapshot).where(
-        (LiveSnapshot.process == process) | (LiveSnapshot.taken_at < stale_before)))
-    session.add(LiveSnapshot(process=process, taken_at=taken_at, items=items))
+    # Core statements, the requests as they are: the engine's JSON serializer (orjson,
+    # app/core/db.py) writes each dataclass as the object `InFlight.as_dict` would give.
+    table = cast(Table, LiveSnapshot.__table__)
+    await session.execute(delete(table).where(
+        (table.c.process == process) | (table.c.taken_at < stale_before)))
+    await session.execute(insert(table).values(process=process, taken_at=taken_at,
+                                               items=list(requests)))
     await session.commit()
 
 
