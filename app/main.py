@@ -18,6 +18,7 @@ import asyncio
 import gc
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -74,6 +75,8 @@ from phasewatch.store.writer import RecordWriter
 log = logging.getLogger(__name__)
 
 OWN_PATHS = ("/metrics", "/api/", "/docs", "/redoc", "/openapi.json")
+# How long a background thread may keep the GIL from the relay's loop (`serve_app`).
+SWITCH_INTERVAL_S = 0.0005
 
 
 class Phasewatch:
@@ -257,4 +260,11 @@ def serve_app() -> Phasewatch:
     pid = " [%(process)d]" if settings.workers > 1 else ""
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(levelname)s %(name)s{pid}: %(message)s")
+    # The relay's event loop shares the GIL with background threads: the diagnosis's
+    # statistics (about 0.1 s of CPU per round once there is a baseline), the SQLite driver,
+    # the OpenTelemetry exporter. CPython makes a thread that wants the GIL wait up to the
+    # switch interval (5 ms by default) for it, so each such thread held chunks back by up to
+    # 5 ms per loop wake-up (chunk lag p99 +14 ms at 256 streams, docs/benchmarks.md). A
+    # thread computing now yields the GIL to the loop within 0.5 ms.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     return create_app(settings, freeze_heap=True)

@@ -96,3 +96,17 @@ def test_a_postgres_url_without_its_driver_says_what_to_install() -> None:
                           text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "pip install 'phasewatch[postgres]'" in done.stderr
+
+
+def test_each_served_process_takes_the_gil_back_from_threads_quickly(tmp_path: Path) -> None:
+    """`serve`'s app factory shortens CPython's switch interval (5 ms by default), so a
+    background thread computing (the diagnosis's statistics) holds no chunk back for long."""
+    code = ("import sys; from phasewatch.main import SWITCH_INTERVAL_S, serve_app; "
+            "before = sys.getswitchinterval(); serve_app(); "
+            "print(before, sys.getswitchinterval(), SWITCH_INTERVAL_S)")
+    env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning",
+           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'pw.db'}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    before, after, wanted = map(float, out)
+    assert before == 0.005 and after == wanted <= 0.001
