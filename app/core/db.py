@@ -46,14 +46,14 @@ def _json_dumps(value: Any) -> str:
 
 def create_engine(url: str) -> AsyncEngine:
     require_driver(url)
-    json = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+    json_codec = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
     if not is_sqlite(url):
         return create_async_engine(url, pool_size=5, max_overflow=5, pool_pre_ping=True,
-                                   **json)
+                                   **json_codec)
     database = make_url(url).database
     if database and database != ":memory:":
         Path(database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_async_engine(url, connect_args={"timeout": 30}, **json)
+    engine = create_async_engine(url, connect_args={"timeout": 30}, **json_codec)
     event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     event.listen(engine.sync_engine, "invalidate", _interrupt_sqlite)
     return engine

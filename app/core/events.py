@@ -100,7 +100,27 @@ def _output_chars(choice: dict[str, Any]) -> int:
     return chars
 
 
-_USAGE_KEY = b'"usage":{'
+USAGE_KEY = b'"usage":{'
+
+
+def usage_span(raw: bytes) -> tuple[int, int] | None:
+    """Where one raw compact event's `"usage":{...}` is: the key's first byte and the object's
+    closing brace. None when there is none: null or absent, or JSON with spaces."""
+    start = raw.rfind(USAGE_KEY)
+    if start < 0:
+        return None
+    pos = start + len(USAGE_KEY) - 1  # the object's opening brace
+    end = raw.find(b"}", pos)
+    # Usage holds numbers and small nested objects, never strings with braces: balance them.
+    while end >= 0 and raw.count(b"{", pos, end + 1) != raw.count(b"}", pos, end + 1):
+        end = raw.find(b"}", end + 1)
+    return None if end < 0 else (start, end)
+
+
+def cut_usage(raw: bytes, start: int, end: int) -> bytes:
+    """One raw event without the usage at `usage_span`, every other byte as it was."""
+    cut = start - 1 if start > 0 and raw[start - 1] == 0x2C else start  # also drop the comma
+    return raw[:cut] + raw[end + 1:]
 
 
 def strip_usage(raw: bytes) -> bytes:
@@ -110,19 +130,12 @@ def strip_usage(raw: bytes) -> bytes:
     no `usage` key at all, in both endpoints. (vLLM 0.10 wrote completion chunks with every
     field, `"usage":null` included; phasewatch follows the current release.)
     """
-    start = raw.rfind(_USAGE_KEY)
-    if start < 0:
-        # Null or absent; or JSON with spaces, which only the slow path can cut.
-        return _strip_usage_slow(raw) if b'"usage": {' in raw else raw
-    pos = start + len(_USAGE_KEY) - 1  # the object's opening brace
-    end = raw.find(b"}", pos)
-    # Usage holds numbers and small nested objects, never strings with braces: balance them.
-    while end >= 0 and raw.count(b"{", pos, end + 1) != raw.count(b"}", pos, end + 1):
-        end = raw.find(b"}", end + 1)
-    if end < 0:
+    span = usage_span(raw)
+    if span is not None:
+        return cut_usage(raw, *span)
+    if USAGE_KEY in raw or b'"usage": {' in raw:  # unbalanced, or spaced: only a parse can cut
         return _strip_usage_slow(raw)
-    cut = start - 1 if start > 0 and raw[start - 1] == 0x2C else start  # also drop the comma
-    return raw[:cut] + raw[end + 1:]
+    return raw  # null or absent
 
 
 def _strip_usage_slow(raw: bytes) -> bytes:

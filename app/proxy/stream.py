@@ -23,12 +23,15 @@ from collections.abc import Iterable
 import orjson
 
 from phasewatch.core.events import (
+    USAGE_KEY,
     EventInfo,
     Kind,
     add_fingerprint,
     classify,
+    cut_usage,
     strip_usage,
     system_fingerprint,
+    usage_span,
 )
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.core.sse import SSEDecoder, event_data
@@ -40,7 +43,6 @@ _OPEN_CHOICE = b'"choices":[{'
 _ERROR_KEY = b'"error":'
 _FINISH_KEY = b'"finish_reason":'
 _NOT_FINISHED = b'"finish_reason":null'
-_USAGE_KEY = b'"usage":{'
 
 
 class StreamFeed:
@@ -96,7 +98,7 @@ class StreamFeed:
         Once a stream counts exactly, its time goes on its running usage alone (timing.py), so
         a chunk needs no full parse: what `classify` would find is read off the compact JSON
         vLLM writes. One choice with `"finish_reason":null` (so no terminal chunk to hold),
-        no `error` key, and a flat `"usage":{...}` object, which alone is parsed. Those byte
+        no `error` key, and a compact `"usage":{...}` object, which alone is parsed. Those byte
         patterns cannot occur inside a JSON string, where every quote is escaped. Anything
         else (the role chunk, a terminal chunk, the closing usage chunk, an error, spaced
         JSON) takes the general path, which this one agrees with wherever both apply.
@@ -105,15 +107,12 @@ class StreamFeed:
                 or _OPEN_CHOICE not in data or _ERROR_KEY in data
                 or data.count(_FINISH_KEY) != 1 or _NOT_FINISHED not in data):
             return None
-        start = data.rfind(_USAGE_KEY)
-        if start < 0:
+        span = usage_span(data)
+        if span is None:
             return None
-        brace = start + len(_USAGE_KEY) - 1
-        end = data.find(b"}", brace)
-        if end < 0 or data.find(b"{", brace + 1, end) >= 0:
-            return None  # nested objects in usage (token details): the general path
+        start, end = span
         try:
-            usage = orjson.loads(data[brace:end + 1])
+            usage = orjson.loads(data[start + len(USAGE_KEY) - 1:end + 1])
         except orjson.JSONDecodeError:
             return None
         completion = usage.get("completion_tokens")
@@ -123,10 +122,7 @@ class StreamFeed:
         timing.completion_tokens = completion
         timing.prompt_tokens = usage.get("prompt_tokens")
         timing.event(now, completion, 0)
-        if not self._strip_chunk:
-            return data
-        cut = start - 1 if data[start - 1] == 0x2C else start  # also drop the comma
-        return data[:cut] + data[end + 1:]
+        return cut_usage(data, start, end) if self._strip_chunk else data
 
     def _rewrite(self, events: Iterable[tuple[bytes, EventInfo]]) -> bytes:
         """The bytes to forward for these timed events, with usage the client did not ask for
