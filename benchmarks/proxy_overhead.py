@@ -258,6 +258,18 @@ def source_env(source: Path, tmp: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(shim)}
 
 
+def parse_variants(specs: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+    """`--variant NAME:KEY=VALUE[,KEY=VALUE]` -> [("pw:NAME", {KEY: VALUE})]."""
+    variants = []
+    for spec in specs:
+        name, _, assignments = spec.partition(":")
+        env = dict(item.split("=", 1) for item in assignments.split(",") if "=" in item)
+        if not name or not env or not all(key.startswith("PHASEWATCH_") for key in env):
+            raise SystemExit(f"--variant {spec!r}: expected NAME:PHASEWATCH_KEY=VALUE[,...]")
+        variants.append((f"pw:{name}", env))
+    return variants
+
+
 class OtlpSink:
     """Where the `pw+otel` path exports: accepts every OTLP/HTTP request and answers 200 with
     an empty body (what a collector's success looks like to the exporter); counts the bytes."""
@@ -612,7 +624,9 @@ def print_level(shape: Shape, summary: dict[str, Any], paths: Sequence[str],
         print(f"phasewatch adds {fmt(pw['added_ttft_p99_ms'], ' ms', True)} TTFT p99, "
               f"{fmt(pw['added_lag_p99_ms'], ' ms', True)} chunk lag p99; CPU/chunk "
               f"{fmt(pw['proxy_cpu_us_per_chunk'], ' us', digits=1)} (nginx not measured)")
-    for other, what in (("pw@base", "the baseline checkout"), ("pw+otel", "OpenTelemetry on")):
+    others = [("pw@base", "the baseline checkout"), ("pw+otel", "OpenTelemetry on")]
+    others += [(name, "a variant") for name in summary if name.startswith("pw:")]
+    for other, what in others:
         if other in summary and pw:
             o = summary[other]
             mine, theirs = pw["proxy_cpu_us_per_chunk"], o["proxy_cpu_us_per_chunk"]
@@ -696,6 +710,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--otel", action="store_true",
                    help="also run phasewatch with OpenTelemetry on (path `pw+otel`), exporting "
                         "to a sink on loopback (needs the otel extra)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,...]",
+                   help="also run phasewatch with these settings (path `pw:NAME`), e.g. "
+                        "nodiag:PHASEWATCH_DIAGNOSIS_INTERVAL_S=0 to see what a periodic duty "
+                        "costs; repeatable")
     p.add_argument("--capacity-rates", type=float, nargs="*", default=[],
                    help="then, at --capacity-concurrency streams, run each of these chunk "
                         "rates (chunks/s) and report the highest each path relays with chunk "
@@ -751,6 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "OTEL_METRIC_EXPORT_INTERVAL": "10000"})
                 servers.append(proxies["pw+otel"])
                 paths.insert(paths.index("phasewatch") + 1, "pw+otel")
+            for name, env in parse_variants(args.variant):
+                proxies[name] = start_phasewatch(upstream, tmp, name=name, extra_env=env)
+                servers.append(proxies[name])
+                paths.insert(paths.index("phasewatch") + 1, name)
             for workers in args.workers:
                 if workers > 1:
                     server = start_phasewatch(upstream, tmp, workers)

@@ -260,7 +260,7 @@ class Exchange:
             # Served: the model earns its label. TTFT and ITL are observed as they arrive.
             self.label = ctx.labels.label(self._plan.model, True)
             bound = ctx.metrics.bind(self.label, self._record.endpoint)
-            timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.itl.observe
+            timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.observe_itl
             if ctx.exemplars:
                 trace = self._trace
                 timing.exemplar = request_exemplar(

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from phasewatch.core.metrics import Exemplar, Observe
 from phasewatch.proxy.gap_summary import GapSummary, Summary
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,9 @@ log = logging.getLogger(__name__)
 NS = 1_000_000_000
 PENDING_LIMIT = 8192  # events that may wait for the final usage (16 bytes each)
 
-# A histogram's `observe(value, exemplar)`: the exemplar (the request's id) goes with a TTFT
-# and with each gap that is the largest of its stream so far, so a bucket's exemplar names a
-# request whose worst gap fell in it (a few per stream, not one per token).
-Exemplar = dict[str, str]
-Observe = Callable[[float, Exemplar | None], None]
+# Where TTFT and ITL go (`Observe`, app/core/metrics.py): the exemplar (the request's id)
+# goes with a TTFT and with each gap that is the largest of its stream so far, so a bucket's
+# exemplar names a request whose worst gap fell in it (a few per stream, not one per token).
 
 
 def _nowhere(_: float, __: Exemplar | None = None) -> None:

@@ -70,3 +70,28 @@ def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
     assert proxy.sample("phasewatch_requests_in_flight") == 0
     records = sorted(proxy.next_record().in_flight_at_arrival for _ in range(3))
     assert records == [0, 1, 2]
+
+
+def test_fast_observe_leaves_what_observe_leaves() -> None:
+    """The ITL's per-token observation (fast_observe) against prometheus_client's own, on every
+    bucket edge, between edges, past the last, with and without exemplars."""
+    metrics = [ProxyMetrics(CollectorRegistry(), slo_ttft_s=0.5, slo_itl_s=0.0125)
+               for _ in range(2)]
+    bounds = metrics[0].itl_buckets
+    values = [0.0, *bounds, *(b * 0.999 for b in bounds), *(b * 1.001 for b in bounds), 1e6,
+              float("inf")]
+    slow = metrics[0].itl.labels("m", "completions")
+    fast = metrics[1].bind("m", "completions").observe_itl
+    for i, value in enumerate(values):
+        exemplar = {"request_id": f"r{i}"} if i % 7 == 0 else None
+        slow.observe(value, exemplar)
+        fast(value, exemplar)
+
+    def exposed(m: ProxyMetrics) -> list[tuple[str, dict[str, str], float, Any]]:
+        return [(s.name, s.labels, s.value, s.exemplar and s.exemplar.labels)
+                for family in m.itl.collect() for s in family.samples
+                if not s.name.endswith("_created")]
+
+    assert exposed(metrics[1]) == exposed(metrics[0])
+    assert any(value == len(values) for name, _, value, _ in exposed(metrics[1])
+               if name.endswith("_count"))
