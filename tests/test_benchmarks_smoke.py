@@ -22,9 +22,10 @@ def run(script: str, tmp_path: Path, *args: str) -> dict[str, object]:
 
 
 def test_proxy_overhead_quick(tmp_path: Path) -> None:
-    result = run("proxy_overhead.py", tmp_path)
+    result = run("proxy_overhead.py", tmp_path, "--variant",
+                 "nodiag:PHASEWATCH_DIAGNOSIS_INTERVAL_S=0")
     text = json.dumps(result)
-    assert "phasewatch" in text and "direct" in text
+    assert "phasewatch" in text and "direct" in text and "pw:nodiag" in text
 
 
 def test_store_scale_quick(tmp_path: Path) -> None:
@@ -44,3 +45,14 @@ def test_ttft_truth_quick(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "client - phasewatch" in result.stdout and "joined/sent" in result.stdout
     assert "summary" in json.loads(out.read_text())
+
+
+def test_read_path_quick() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "read_path.py"), "--quick"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert set(lines) == {"pass-through", "phasewatch"}
+    assert "us per read" in lines["phasewatch"] and "x pass-through" in lines["phasewatch"]
