@@ -74,8 +74,9 @@ def fast_observe(child: Histogram) -> Observe:
 
     prometheus_client's `Histogram.observe` checks the child is observable and then walks its
     bounds one by one to the first that holds the value: at a typical ITL that is a dozen
-    iterations of interpreted code per token. This finds the same bucket by bisection and
-    increments the same values (in-process or, under several workers, the multiprocess
+    iterations of interpreted code per token. This finds the same bucket by bisection (for
+    any number but NaN, which a gap between two clock readings never is) and increments the
+    same values (in-process or, under several workers, the multiprocess
     files), so scrapes read exactly what `observe` would have left. `child` is a labelled
     child (`.labels(...)`), which is always observable. An observation with an exemplar goes
     through `observe` itself. The attributes read here are prometheus_client's own, not its
@@ -101,8 +102,7 @@ class BoundMetrics:
     """Label children for one (model, endpoint), bound once."""
 
     ttft: Histogram
-    itl: Histogram
-    observe_itl: Observe  # fast_observe(itl)
+    observe_itl: Observe  # the ITL histogram's child, observed by fast_observe
     tpot: Histogram
     prompt_tokens: Histogram
     output_tokens: Histogram
@@ -191,11 +191,9 @@ class ProxyMetrics:
         key = (model, endpoint)
         bound = self._bound.get(key)
         if bound is None:
-            itl = self.itl.labels(model, endpoint)
             bound = BoundMetrics(
                 ttft=self.ttft.labels(model, endpoint),
-                itl=itl,
-                observe_itl=fast_observe(itl),
+                observe_itl=fast_observe(self.itl.labels(model, endpoint)),
                 tpot=self.tpot.labels(model, endpoint),
                 prompt_tokens=self.prompt_tokens.labels(model, endpoint),
                 output_tokens=self.output_tokens.labels(model, endpoint),
