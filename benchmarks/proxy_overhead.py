@@ -441,9 +441,11 @@ def make_shape(args: argparse.Namespace, concurrency: int) -> Shape:
 
 
 def run_loadgen(args: argparse.Namespace, target: Server, shape: Shape, seed: int,
-                tmp: Path) -> dict[str, Any]:
-    """Run the schedule with `--loadgen-procs` shards starting together; merge their samples."""
-    start_at = time.monotonic_ns() + 1_500_000_000  # time for the shards to import and connect
+                tmp: Path, start_at: int | None = None) -> dict[str, Any]:
+    """Run the schedule with `--loadgen-procs` shards starting together (at `start_at`, a
+    CLOCK_MONOTONIC time in ns; by default 1.5 s from now); merge their samples."""
+    if start_at is None:
+        start_at = time.monotonic_ns() + 1_500_000_000  # for the shards to import and connect
     drain = shape.stream_s * 3 + 10
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     for shard in range(args.loadgen_procs):

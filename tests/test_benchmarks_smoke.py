@@ -28,6 +28,14 @@ def test_proxy_overhead_quick(tmp_path: Path) -> None:
     assert "phasewatch" in text and "direct" in text and "pw:nodiag" in text
 
 
+def test_proxy_ab_quick(tmp_path: Path) -> None:
+    result = run("proxy_ab.py", tmp_path, "--variant", "nodiag:PHASEWATCH_DIAGNOSIS_INTERVAL_S=0")
+    runs, summary = result["runs"], result["summary"]
+    assert isinstance(runs, list) and [run["first"] for run in runs] == ["A", "B"]
+    assert all(run[build]["ok"] == run[build]["scheduled"] > 0 for run in runs for build in "AB")
+    assert isinstance(summary, dict) and summary["errors"] == 0 and summary["cpu_ratio"] > 0
+
+
 def test_store_scale_quick(tmp_path: Path) -> None:
     result = run("store_scale.py", tmp_path)
     writer, stats = result["writer"], result["stats"]
