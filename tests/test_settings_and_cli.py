@@ -98,15 +98,19 @@ def test_a_postgres_url_without_its_driver_says_what_to_install() -> None:
     assert "pip install 'phasewatch[postgres]'" in done.stderr
 
 
-def test_each_served_process_takes_the_gil_back_from_threads_quickly(tmp_path: Path) -> None:
+def test_each_served_process_holds_streams_back_briefly(tmp_path: Path) -> None:
     """`serve`'s app factory shortens CPython's switch interval (5 ms by default), so a
-    background thread computing (the diagnosis's statistics) holds no chunk back for long."""
-    code = ("import sys; from phasewatch.main import SWITCH_INTERVAL_S, serve_app; "
-            "before = sys.getswitchinterval(); serve_app(); "
-            "print(before, sys.getswitchinterval(), SWITCH_INTERVAL_S)")
+    background thread computing (the diagnosis's statistics) holds no chunk back for long, and
+    runs the cyclic collector's full collections, which walk every request in flight, ten
+    times less often."""
+    code = ("import gc, sys; from phasewatch.main import SWITCH_INTERVAL_S, serve_app; "
+            "before = sys.getswitchinterval(), gc.get_threshold(); serve_app(); "
+            "print(before[0], sys.getswitchinterval(), SWITCH_INTERVAL_S, *before[1], "
+            "*gc.get_threshold())")
     env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning",
            "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'pw.db'}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
-    before, after, wanted = map(float, out)
+    before, after, wanted = map(float, out[:3])
     assert before == 0.005 and after == wanted <= 0.001
+    assert [int(n) for n in out[3:]] == [700, 10, 10, 700, 10, 100]
