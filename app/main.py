@@ -275,9 +275,8 @@ def serve_app() -> Phasewatch:
     # every open stream feels). CPython runs one after every 10 collections of the middle
     # generation (about every 13 s at 256 streams); after 100, ten times fewer chunks wait
     # on one (added chunk lag p99 at 1,024 streams +5.0 and +3.7 ms against +11.0 and +4.5
-    # in two runs, docs/benchmarks.md).
-    # Only cyclic garbage that old waits longer; what reference counting frees (nearly
-    # everything) is freed as before.
+    # in two runs, docs/benchmarks.md). Only cyclic garbage that old waits longer; what
+    # reference counting frees (nearly everything) is freed as before.
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTION_AFTER)
     return create_app(settings, freeze_heap=True)
