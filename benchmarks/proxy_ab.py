@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import threading
@@ -40,7 +39,9 @@ from proxy_overhead import (
     HERE,
     Server,
     cpu_window,
+    fmt,
     make_shape,
+    median,
     parse_variants,
     percentile_ms,
     raise_fd_limit,
@@ -101,32 +102,25 @@ def one_run(args: argparse.Namespace, upstream: Server, envs: dict[str, dict[str
     return run
 
 
-def fmt(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def print_run(index: int, run: dict[str, Any]) -> None:
     a, b = run["A"], run["B"]
-    print(f"  run {index} ({run['first']} first): CPU/chunk A {fmt(a['cpu_us_per_chunk'], 1)} us, "
-          f"B {fmt(b['cpu_us_per_chunk'], 1)} us, B/A {fmt(run['cpu_ratio'], 3)}; TTFT p99 A "
-          f"{fmt(a['ttft_p99_ms'])} B {fmt(b['ttft_p99_ms'])} ms; lag p99 A "
+    print(f"  run {index} ({run['first']} first): CPU/chunk A "
+          f"{fmt(a['cpu_us_per_chunk'], digits=1)} us, B {fmt(b['cpu_us_per_chunk'], digits=1)} "
+          f"us, B/A {fmt(run['cpu_ratio'], digits=3)}; TTFT p99 A {fmt(a['ttft_p99_ms'])} "
+          f"B {fmt(b['ttft_p99_ms'])} ms; lag p99 A "
           f"{fmt(a['lag_p99_ms'])} B {fmt(b['lag_p99_ms'])} ms; ok {a['ok']}/{a['scheduled']} "
           f"and {b['ok']}/{b['scheduled']}", flush=True)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    def med(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return statistics.median(present) if present else None
-
-    summary: dict[str, Any] = {"cpu_ratio": med([r["cpu_ratio"] for r in runs])}
+    summary: dict[str, Any] = {"cpu_ratio": median([r["cpu_ratio"] for r in runs])}
     ratios = [r["cpu_ratio"] for r in runs if r["cpu_ratio"] is not None]
     summary["cpu_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
     for key in ("cpu_us_per_chunk", "ttft_p50_ms", "ttft_p99_ms", "lag_p50_ms", "lag_p99_ms"):
-        summary[key] = {build: med([r[build][key] for r in runs]) for build in ("A", "B")}
+        summary[key] = {build: median([r[build][key] for r in runs]) for build in ("A", "B")}
         diffs = [r["B"][key] - r["A"][key] for r in runs
                  if r["A"][key] is not None and r["B"][key] is not None]
-        summary[key]["B-A"] = med(diffs)
+        summary[key]["B-A"] = median(diffs)
     summary["errors"] = sum(sum(r[b]["errors"].values()) for r in runs for b in ("A", "B"))
     return summary
 
@@ -211,10 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(runs)
     cpu, ttft, lag = summary["cpu_us_per_chunk"], summary["ttft_p99_ms"], summary["lag_p99_ms"]
     low_high = summary["cpu_ratio_range"]
-    print(f"CPU per chunk, medians over {len(runs)} runs: A {fmt(cpu['A'], 1)} us, B "
-          f"{fmt(cpu['B'], 1)} us; B/A {fmt(summary['cpu_ratio'], 3)} (runs "
-          f"{fmt(low_high[0] if low_high else None, 3)}-"
-          f"{fmt(low_high[1] if low_high else None, 3)})")
+    print(f"CPU per chunk, medians over {len(runs)} runs: A {fmt(cpu['A'], digits=1)} us, B "
+          f"{fmt(cpu['B'], digits=1)} us; B/A {fmt(summary['cpu_ratio'], digits=3)} (runs "
+          f"{fmt(low_high[0] if low_high else None, digits=3)}-"
+          f"{fmt(low_high[1] if low_high else None, digits=3)})")
     print(f"TTFT p99 A {fmt(ttft['A'])} ms, B {fmt(ttft['B'])} ms (B - A {fmt(ttft['B-A'])}); "
           f"chunk lag p99 A {fmt(lag['A'])} ms, B {fmt(lag['B'])} ms (B - A {fmt(lag['B-A'])})")
     if summary["errors"]:
