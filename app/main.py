@@ -61,6 +61,7 @@ from phasewatch.proxy.client_leg import SHUTDOWN_HOOK
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveGauges, LiveStreams
+from phasewatch.proxy.native import native_relay
 from phasewatch.proxy.passthrough import pass_through
 from phasewatch.proxy.relay import ENDPOINTS, relay
 from phasewatch.proxy.shutdown import Shutdown
@@ -173,6 +174,7 @@ def create_app(
             # prometheus_client keeps no exemplars under several workers.
             exemplars=settings.exemplars and not exposition.multiprocess,
             otel=otel,
+            native=native_relay(settings.native_relay),
         )
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
@@ -225,6 +227,8 @@ def create_app(
         finally:
             shutdown.uninstall()
             shutdown.end_streams()  # none should be left by now; none may outlive the app
+            if app.state.proxy.native is not None:
+                app.state.proxy.native.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -55,11 +55,12 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def connection_capacity(open_files: int) -> int:
+def connection_capacity(open_files: int, native_relay: bool) -> int:
     """Client connections one process can hold with an upstream connection each, leaving
     `FD_RESERVE` descriptors; past it, new connections are refused with a 503
-    (app/proxy/client_leg.py) before any descriptor runs out."""
-    return max(1, (open_files - FD_RESERVE) // 2)
+    (app/proxy/client_leg.py) before any descriptor runs out. A stream in the native leg holds
+    a duplicate of both (app/proxy/native.py): four descriptors instead of two."""
+    return max(1, (open_files - FD_RESERVE) // (4 if native_relay else 2))
 
 
 def usable_cores() -> int:
@@ -83,7 +84,8 @@ def prepare_serving(settings: Settings, flags: Mapping[str, object]) -> int:
     and may not be upgraded."""
     os.environ.update({ENV_PREFIX + name.upper(): str(value) for name, value in flags.items()})
     open_files = raise_open_file_limit()
-    capacity = settings.max_client_connections or connection_capacity(open_files)
+    capacity = settings.max_client_connections or connection_capacity(open_files,
+                                                                       settings.native_relay)
     log.info("open-file limit %d: up to %d client connections (streams) per worker; more are "
              "refused with 503", open_files, capacity)
     if settings.workers > 1 or settings.metrics_dir is not None:

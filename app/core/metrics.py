@@ -160,6 +160,12 @@ class ProxyMetrics:
             "Inference requests received and not yet finished.",
             registry=registry, multiprocess_mode="livesum",  # over the workers alive
         )
+        self.native_streams = Counter(
+            "phasewatch_native_relay_streams",
+            "Handoffs of a stream's running token chunks to the native relay (a stream may be "
+            "handed off again after an event it gives back).",
+            registry=registry,
+        )
         self.records_dropped = Counter(
             "phasewatch_records_dropped",
             "Request records dropped because the record queue was full.",

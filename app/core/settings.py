@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     # Ask the upstream for per-chunk usage (`continuous_usage_stats`, a vLLM extension) so
     # each chunk's token count is exact. Turn off for upstreams that reject the field.
     upstream_continuous_usage: bool = True
+    # Relay the running token chunks of an exactly counted stream in the native thread
+    # (app/proxy/native.py) where the extension is built; off: every read goes through Python.
+    native_relay: bool = True
     # A client that takes nothing of its stream for this long (its socket buffer full) is cut
     # off and its upstream request closed, rather than holding an engine slot until the
     # upstream idle timeout.
@@ -92,7 +95,8 @@ class Settings(BaseSettings):
     access_log: bool = False
     # Client connections a worker holds at once (each stream also needs an upstream one);
     # past it new connections get a 503. 0: as many as the open-file limit allows, which
-    # `phasewatch serve` raises to its hard limit ((limit - 64) / 2).
+    # `phasewatch serve` raises to its hard limit ((limit - 64) / 4 with the native relay,
+    # whose streams hold a duplicate of both descriptors; (limit - 64) / 2 without).
     max_client_connections: int = Field(default=0, ge=0)
     # Distinct model names that get their own metric label; later ones share "other".
     max_model_labels: int = Field(default=32, ge=1)

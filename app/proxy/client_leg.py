@@ -69,6 +69,21 @@ class ClientLeg:
         cycle = self._cycle
         return cycle is not None and cycle.flow.write_paused and not cycle.disconnected
 
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The client's transport while the response can still be written."""
+        cycle = self._cycle
+        if cycle is None or cycle.disconnected or cycle.response_complete:
+            return None
+        transport: asyncio.Transport = cycle.transport
+        return None if transport.is_closing() else transport
+
+    def write_raw(self, data: bytes) -> None:
+        """Write bytes of the body already framed as HTTP/1.1 chunks (by the native leg)."""
+        transport = self.transport
+        if transport is not None:
+            transport.write(data)
+
     def write_chunk(self, data: bytes) -> None:
         """Write one HTTP/1.1 chunk of the response body that ASGI started (chunked)."""
         cycle = self._cycle

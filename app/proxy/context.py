@@ -13,6 +13,7 @@ from phasewatch.core.records import RecordQueue
 from phasewatch.core.settings import Settings
 from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveStreams
+from phasewatch.proxy.native import NativeRelay
 from phasewatch.proxy.shutdown import Shutdown
 from phasewatch.proxy.upstream_pool import UpstreamPool
 
@@ -35,4 +36,5 @@ class ProxyContext:
     passthrough_timeout: aiohttp.ClientTimeout
     exemplars: bool = False  # TTFT and ITL observations carry the request's id
     otel: OtelExport | None = None  # None: OpenTelemetry is off, and none of it runs
+    native: NativeRelay | None = None  # None: streams are relayed in Python alone
     in_flight: int = 0

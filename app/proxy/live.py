@@ -14,7 +14,8 @@ client stall / 4)`), one pass over them:
   for longer than the stall threshold. A model whose streams have all ended reads 0.
 `snapshot()` gives the open streams as `InFlight` values for the diagnosis.
 
-Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`.
+Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
+held by the native leg catches up at the start of each pass (`refresh`, native.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class Watched(Protocol):
 
     last_read_ns: int  # perf_counter_ns() of the upstream's last read (or the request's arrival)
     client_blocked_ns: int  # since when the client has not taken what is written (0: it does)
+
+    def refresh(self) -> None:
+        """Bring the two clocks and the timing up to date (the native leg, native.py)."""
 
     def idle_timeout(self) -> None: ...
 
@@ -144,6 +148,8 @@ class LiveStreams:
     def check(self, now_ns: int) -> int:
         """End every exchange silent past the idle timeout, or whose client has not read for
         the client stall timeout, and set the gauges; return how many were ended."""
+        for exchange in self._open:
+            exchange.refresh()
         silent = [e for e in self._open if now_ns - e.last_read_ns > self.idle_ns]
         for exchange in silent:
             self._open.discard(exchange)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime
@@ -53,10 +54,11 @@ from phasewatch.proxy.client_leg import ClientLeg, client_leg
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.finish import finish
 from phasewatch.proxy.live import LiveView
+from phasewatch.proxy.native import Ending, Stream, replay
 from phasewatch.proxy.request_plan import RequestPlan, plan_request
 from phasewatch.proxy.shutdown import Stage
 from phasewatch.proxy.stream import StreamFeed
-from phasewatch.proxy.timing import NS, StreamTiming
+from phasewatch.proxy.timing import NS, Counting, StreamTiming
 from phasewatch.proxy.upstream_pool import UpstreamConnection
 
 if TYPE_CHECKING:  # imported only when switched on: it needs the `otel` extra
@@ -153,9 +155,10 @@ class Exchange:
     """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
-                 "_headers", "_leg", "_lost", "_pending", "_pending_size", "_plan", "_record",
-                 "_responded", "_scope", "_status", "_task", "_timing", "_trace", "_wake",
-                 "client_blocked_ns", "label", "last_read_ns", "phase")
+                 "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
+                 "_pending_size", "_plan", "_record", "_responded", "_scope", "_status", "_task",
+                 "_timing", "_trace", "_wake", "client_blocked_ns", "label", "last_read_ns",
+                 "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
                  record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None,
@@ -188,11 +191,17 @@ class Exchange:
         self._responded = False  # the upstream sent a byte of its response
         self._end_ns = 0
         self._lost = ""
+        self._native: Stream | None = None  # the native leg holds the stream (native.py)
+        # The native leg may not take this stream (off, or it could not take it once).
+        self._native_tried = ctx.native is None
 
     # -- moving the phase -------------------------------------------------------------------
 
     def _move(self, to: Phase) -> None:
         self.phase = to
+        self._wake_up()
+
+    def _wake_up(self) -> None:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
@@ -227,6 +236,19 @@ class Exchange:
             silent_s=(now_ns - self.last_read_ns) / NS, itl_count=count, itl_p50_s=p50,
             itl_max_s=largest, prompt_tokens=timing.prompt_tokens,
             in_flight=record.in_flight_at_arrival or 0)
+
+    def refresh(self) -> None:
+        """Called by the live registry before each pass: what the native leg has relayed since
+        the last pass goes into the timing (and the idle and stall clocks)."""
+        stream = self._native
+        if stream is not None:
+            self._replay(stream)
+
+    def _replay(self, stream: Stream) -> None:
+        last_read_ns, blocked_ns = replay(stream, self._timing)
+        if last_read_ns > self.last_read_ns:
+            self.last_read_ns = last_read_ns
+        self.client_blocked_ns = blocked_ns
 
     def idle_timeout(self) -> None:
         """Called by the live registry: nothing came from the upstream for the idle timeout."""
@@ -289,6 +311,9 @@ class Exchange:
         if self._direct:
             assert self._leg is not None
             self._leg.write_chunk(out)
+            if (not self._native_tried and self._timing.counting is Counting.EXACT
+                    and feed.between_events and self._conn is not None):
+                self._conn.handoff = self._go_native
             return
         self._pending.append(out)
         self._pending_size += len(out)
@@ -297,6 +322,51 @@ class Exchange:
         wake = self._wake
         if wake is not None and not wake.done():
             wake.set_result(None)
+
+    def _go_native(self) -> None:
+        """The upstream's parser is between chunks (upstream_pool.py): hand the stream to the
+        native leg if nothing is waiting to be written to the client."""
+        leg, conn, native = self._leg, self._conn, self._ctx.native
+        if (self.phase is not Phase.STREAMING or leg is None or leg.paused or conn is None
+                or conn.transport is None or native is None or self._native is not None):
+            return
+        client = leg.transport
+        if client is None or client.get_write_buffer_size():
+            return
+        conn.pause_reading()
+        stream = native.start(conn.transport, client, self._plan.strip_chunk_usage, self)
+        if stream is None:
+            self._native_tried = True
+            conn.resume_reading()
+            return
+        self._native = stream
+        self._ctx.metrics.native_streams.inc()
+
+    def native_returned(self, stream: Stream) -> None:
+        """The native leg handed the stream back: go on from the byte it stopped at."""
+        self._native = None
+        self._replay(stream)
+        leg, conn = self._leg, self._conn
+        unsent, blocked_ns = stream.unsent, self.client_blocked_ns
+        if unsent and leg is not None:
+            leg.write_raw(unsent)  # may fill the client's buffer: `_client_blocked`
+            if leg.paused and blocked_ns:
+                self.client_blocked_ns = blocked_ns  # it stopped reading before this write
+        ending = stream.ending
+        if ending == Ending.CLIENT_ERROR:
+            self.client_gone()
+        if conn is not None:
+            if ending == Ending.UPSTREAM_ERROR:
+                conn.broke(OSError(stream.errno, os.strerror(stream.errno)))
+            else:
+                # Reading resumes before the leftover is parsed: parsing it may hand the stream
+                # to the native leg again, which pauses reading again.
+                if leg is None or not leg.paused:
+                    conn.resume_reading()
+                leftover = stream.leftover
+                if leftover:
+                    conn.take(leftover, stream.leftover_ns)
+        self._wake_up()
 
     def on_end(self, now_ns: int) -> None:
         if self.phase in (Phase.STREAMING, Phase.READING):
@@ -330,6 +400,8 @@ class Exchange:
                 else:
                     await self._answer(send)
         finally:
+            if self._native is not None:  # cancelled while the native leg had the stream
+                self._native.stop()
             if leg is not None:
                 leg.on_disconnect = None
             if watcher is not None:
@@ -488,6 +560,9 @@ class Exchange:
                         self._conn.resume_reading()
                 self._direct = True
                 while self.phase is Phase.STREAMING:
+                    await self._next()
+                while self._native is not None:  # an ending came while the native leg had it
+                    self._native.stop()
                     await self._next()
             else:
                 await self._stream_over_asgi(send)

@@ -91,6 +91,12 @@ class StreamFeed:
             return data
         return self._rewrite([(raw, self._note(raw, now)) for raw in events])
 
+    @property
+    def between_events(self) -> bool:
+        """Nothing is held or half-read, and `[DONE]` has not come: the next read starts anew
+        (so the native leg may take the stream from here, native.py)."""
+        return not self._held and self._decoder.idle and not self.done
+
     def _token_chunk(self, data: bytes, now: int) -> bytes | None:
         """Time and forward one whole event that is a running chunk of an exactly counted
         stream, read from its bytes; None (nothing done) when it is not plainly one.

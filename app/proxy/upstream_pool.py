@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from time import perf_counter_ns
 from typing import Protocol
@@ -46,9 +46,9 @@ class ConnState(Enum):
 
 
 class UpstreamConnection(asyncio.Protocol):
-    __slots__ = ("_body_until_close", "_handler", "_headers", "_parser", "_pool",
-                 "_read_ns", "_responded", "idle_since", "keep_alive", "reused", "state",
-                 "transport")
+    __slots__ = ("_body_until_close", "_handler", "_headers", "_parser", "_piece", "_pieces",
+                 "_pool", "_read_ns", "_responded", "handoff", "idle_since", "keep_alive",
+                 "reused", "state", "transport")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
@@ -56,6 +56,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._handler: UpstreamHandler | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._read_ns = 0
+        self._pieces = 0  # body pieces in the current read
+        self._piece = 0  # the length of the last one
+        # Set by the exchange from its `on_body` to be called once this read is parsed, when
+        # the read was exactly one whole chunk: the parser is then between chunks (native.py).
+        self.handoff: Callable[[], None] | None = None
         self._responded = False  # a byte of the current response has arrived
         self._body_until_close = False
         self.transport: asyncio.Transport | None = None
@@ -71,6 +76,7 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None and self.state is not ConnState.CLOSED
         self._handler = handler
         self._headers = []
+        self.handoff = None
         self._responded = False
         self._body_until_close = False
         self.keep_alive = False
@@ -87,6 +93,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self._handler = None
+        self.handoff = None
         if self.state is not ConnState.CLOSED:
             self.state = ConnState.CLOSED
             if self.transport is not None:
@@ -100,14 +107,30 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and self.state is ConnState.BUSY:
             self.transport.resume_reading()
 
+    def take(self, data: bytes, now_ns: int) -> None:
+        """Parse bytes the native relay read at `now_ns` and did not take, as a read."""
+        if self.state is ConnState.BUSY:
+            self._read(data, now_ns)
+
+    def broke(self, exc: OSError) -> None:
+        """The native relay's read of this connection failed: as `connection_lost` would."""
+        handler = self._handler
+        self.close()
+        if handler is not None:
+            handler.on_lost(f"connection closed: {type(exc).__name__}", True)
+
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self._read_ns = perf_counter_ns()
+        self._read(data, perf_counter_ns())
+
+    def _read(self, data: bytes, now_ns: int) -> None:
+        self._read_ns = now_ns
         self._responded = True
+        self._pieces = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -115,6 +138,14 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             if handler is not None:
                 handler.on_lost(f"invalid HTTP response: {exc}", True)
+            return
+        handoff = self.handoff
+        if handoff is not None:
+            self.handoff = None
+            piece = self._piece
+            # One piece, and the read is exactly its chunk: size line, data, CRLF.
+            if self._pieces == 1 and len(data) == piece + len(b"%x" % piece) + 4:
+                handoff()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: a half-closed upstream connection is of no use
@@ -155,6 +186,8 @@ class UpstreamConnection(asyncio.Protocol):
             handler.on_head(status, self._headers)
 
     def on_body(self, body: bytes) -> None:
+        self._pieces += 1
+        self._piece = len(body)
         handler = self._handler
         if handler is not None:
             handler.on_body(body, self._read_ns)

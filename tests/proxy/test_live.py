@@ -106,6 +106,10 @@ class FakeExchange:
         self.client_blocked_ns = 0
         self.timed_out = False
         self.ended = ""
+        self.refreshed = 0  # passes that brought it up to date
+
+    def refresh(self) -> None:
+        self.refreshed += 1
 
     def idle_timeout(self) -> None:
         self.timed_out = True

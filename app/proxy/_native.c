@@ -1,0 +1,699 @@
+/* The relay's native leg: the middle of a stream, relayed below Python.
+ *
+ * Once a stream's tokens are counted exactly (its running usage, timing.py) and every event so
+ * far was a whole chunk, the relay hands both sockets of the exchange to this module's thread.
+ * The thread reads the upstream, takes each HTTP/1.1 chunk that is exactly one running token
+ * event (the same test as `StreamFeed._token_chunk`: one choice, `"finish_reason":null`, no
+ * `error`, a compact `"usage":{...}`), stamps it with the read's CLOCK_MONOTONIC time (the
+ * clock of `time.perf_counter_ns()`), logs (time, completion tokens, prompt tokens), cuts the
+ * usage when the client did not ask for it, and writes it to the client as one chunk: an
+ * epoll loop, one read and one send per read, no Python. Anything else (the role chunk before,
+ * the terminal chunk, the usage chunk and `[DONE]` after, an error, a chunk it cannot read
+ * plainly, the end of the body, a broken socket, the relay asking) hands the stream back to
+ * Python with the bytes it has not taken, and Python goes on from exactly there: every byte
+ * and every timing definition is that of the Python path, which replays the logged events
+ * into the stream's `StreamTiming`.
+ *
+ * Sockets: the thread works on duplicates of the two descriptors, so that a close by the event
+ * loop never leaves it writing to a reused number. While it holds a stream, the event loop has
+ * paused reading the upstream and writes nothing to the client (it still reads the client, and
+ * so still hears a disconnect). A client that stops reading stops the upstream's reads here,
+ * as in the Python path, and `blocked_since` says since when.
+ *
+ * Python talks to the thread through one mutex and two eventfds: `wake` (Python -> thread: a
+ * stream to stop) and `notify` (thread -> Python, read by the event loop: streams handed back).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define IN_CAP (64 * 1024)    /* a chunk longer than this goes back to Python */
+#define MAX_EVENTS 256
+
+/* Why a stream came back (Python reads these as `Ending` in native.py). */
+enum { END_NONE = 0, END_HANDOVER = 1, END_ASKED = 2, END_UPSTREAM_EOF = 3,
+       END_UPSTREAM_ERROR = 4, END_CLIENT_ERROR = 5 };
+
+typedef struct Stream Stream;
+
+typedef struct {
+    PyObject_HEAD
+    int epfd, wake_fd, notify_fd;
+    pthread_t thread;
+    int running;
+    pthread_mutex_t lock;
+    Stream *active;   /* held by the thread (under lock) */
+    Stream *done;     /* handed back, waiting for `finished()` (under lock) */
+    Stream *retired;  /* handed back in the current epoll batch (the thread's own) */
+    int closing;
+} Relay;
+
+struct Stream {
+    PyObject_HEAD
+    PyObject *owner;          /* Python's, untouched here */
+    Stream *next, *prev;      /* in `active`, or `next` alone in `done` */
+    Relay *relay;
+    int up, client;           /* duplicated descriptors (-1 once closed) */
+    int strip;                /* cut the running usage */
+    int stop_asked;           /* under lock */
+    int ending;               /* END_*; set by the thread when it hands the stream back */
+    int err;                  /* errno of a broken socket */
+    int blocked;              /* waiting for the client to take `out` */
+    /* Thread-only buffers. */
+    char *in; Py_ssize_t in_len;
+    char *out; Py_ssize_t out_len, out_off, out_cap;
+    /* Shared under lock. */
+    int64_t *log; Py_ssize_t log_len, log_cap;   /* (time, completion, prompt) triples */
+    int64_t last_read_ns, blocked_since_ns, leftover_ns;
+};
+
+static PyTypeObject StreamType;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void wake(int fd) {
+    uint64_t one = 1;
+    ssize_t r = write(fd, &one, sizeof one);
+    (void)r;
+}
+
+/* -- reading one event the way StreamFeed._token_chunk does --------------------------------- */
+
+static const char *find(const char *h, Py_ssize_t n, const char *needle, Py_ssize_t m) {
+    return (const char *)memmem(h, (size_t)n, needle, (size_t)m);
+}
+
+static Py_ssize_t count(const char *h, Py_ssize_t n, const char *needle, Py_ssize_t m) {
+    Py_ssize_t c = 0;
+    const char *p = h, *end = h + n;
+    while ((p = find(p, end - p, needle, m)) != NULL) { c++; p += m; }
+    return c;
+}
+
+static const char *rfind(const char *h, Py_ssize_t n, const char *needle, Py_ssize_t m) {
+    for (Py_ssize_t i = n - m; i >= 0; i--)
+        if (h[i] == needle[0] && memcmp(h + i, needle, (size_t)m) == 0) return h + i;
+    return NULL;
+}
+
+#define LIT(s) s, (Py_ssize_t)(sizeof(s) - 1)
+
+/* A JSON integer as orjson reads it into a Python int (no leading zeros, at most 18 digits);
+ * returns the position after it, or NULL. */
+static const char *json_int(const char *p, const char *end, int64_t *value) {
+    int neg = 0;
+    if (p < end && *p == '-') { neg = 1; p++; }
+    const char *digits = p;
+    int64_t v = 0;
+    while (p < end && *p >= '0' && *p <= '9') { v = v * 10 + (*p - '0'); p++; }
+    Py_ssize_t n = p - digits;
+    if (n == 0 || n > 18 || (n > 1 && digits[0] == '0')) return NULL;
+    if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) return NULL;  /* a float */
+    *value = neg ? -v : v;
+    return p;
+}
+
+/* A compact object of integer, null and (nested) object values; at the top level, the values
+ * of completion_tokens and prompt_tokens (-2: absent, -1: null; the last one wins, as in
+ * orjson). Anything else (strings, floats, spaces, escapes) is NULL: Python reads it. */
+static const char *usage_object(const char *p, const char *end, int depth,
+                                int64_t *completion, int64_t *prompt) {
+    if (depth > 4 || p >= end || *p != '{') return NULL;
+    p++;
+    if (p < end && *p == '}') return p + 1;
+    for (;;) {
+        if (p >= end || *p != '"') return NULL;
+        const char *key = ++p;
+        while (p < end && *p != '"' && *p != '\\') p++;
+        if (p >= end || *p != '"') return NULL;
+        Py_ssize_t key_len = p - key;
+        p++;
+        if (p >= end || *p != ':') return NULL;
+        p++;
+        int64_t *slot = NULL;
+        if (depth == 0 && key_len == 17 && memcmp(key, "completion_tokens", 17) == 0)
+            slot = completion;
+        else if (depth == 0 && key_len == 13 && memcmp(key, "prompt_tokens", 13) == 0)
+            slot = prompt;
+        if (p < end && *p == '{') {
+            int64_t ignore_c, ignore_p;
+            p = usage_object(p, end, depth + 1, &ignore_c, &ignore_p);
+            if (p == NULL || slot != NULL) return NULL;  /* a count that is an object */
+        } else if (end - p >= 4 && memcmp(p, "null", 4) == 0) {
+            p += 4;
+            if (slot != NULL) *slot = -1;
+        } else {
+            int64_t v;
+            p = json_int(p, end, &v);
+            if (p == NULL) return NULL;
+            if (slot != NULL) {
+                if (v < 0) return NULL;  /* kept out of the -1/-2 codes: Python reads it */
+                *slot = v;
+            }
+        }
+        if (p < end && *p == ',') { p++; continue; }
+        if (p < end && *p == '}') return p + 1;
+        return NULL;
+    }
+}
+
+/* Is this chunk one whole running token event? Then its counts and the usage's span. */
+static int token_event(const char *d, Py_ssize_t n, int64_t *completion, int64_t *prompt,
+                       Py_ssize_t *cut_from, Py_ssize_t *cut_to) {
+    /* StreamFeed.feed's usual read: exactly one whole one-line event. */
+    if (n < 10 || memcmp(d, "data: {\"", 8) != 0 || memcmp(d + n - 3, "}\n\n", 3) != 0)
+        return 0;
+    if (memchr(d, '\r', (size_t)n) != NULL || memchr(d, '\n', (size_t)(n - 2)) != NULL)
+        return 0;
+    /* StreamFeed._token_chunk's tests. */
+    if (find(d, n, LIT("\"choices\":[{")) == NULL || find(d, n, LIT("\"error\":")) != NULL)
+        return 0;
+    if (count(d, n, LIT("\"finish_reason\":")) != 1
+        || find(d, n, LIT("\"finish_reason\":null")) == NULL)
+        return 0;
+    /* events.usage_span: the last `"usage":{` and its balanced closing brace. */
+    const char *start = rfind(d, n, LIT("\"usage\":{"));
+    if (start == NULL) return 0;
+    const char *open = start + 8, *end = d + n;
+    int64_t c = -2, p = -2;
+    const char *close = usage_object(open, end, 0, &c, &p);
+    if (close == NULL || c < 0) return 0;  /* completion_tokens must be an int */
+    /* usage_span's own balancing, on the raw bytes, must end where the object does. */
+    const char *brace = memchr(open, '}', (size_t)(end - open));
+    while (brace != NULL) {
+        Py_ssize_t opens = 0, closes = 0;
+        for (const char *q = open; q <= brace; q++) {
+            if (*q == '{') opens++;
+            else if (*q == '}') closes++;
+        }
+        if (opens == closes) break;
+        brace = memchr(brace + 1, '}', (size_t)(end - brace - 1));
+    }
+    if (brace == NULL || brace + 1 != close) return 0;
+    *completion = c;
+    *prompt = p;  /* -2 absent and -1 null are both None to Python */
+    Py_ssize_t from = start - d;
+    *cut_from = (from > 0 && d[from - 1] == ',') ? from - 1 : from;
+    *cut_to = close - d;
+    return 1;
+}
+
+/* -- the thread ---------------------------------------------------------------------------- */
+
+static int out_reserve(Stream *s, Py_ssize_t more) {
+    if (s->out_len + more <= s->out_cap) return 0;
+    Py_ssize_t cap = s->out_cap ? s->out_cap : 4096;
+    while (cap < s->out_len + more) cap *= 2;
+    char *p = realloc(s->out, (size_t)cap);
+    if (p == NULL) return -1;
+    s->out = p; s->out_cap = cap;
+    return 0;
+}
+
+static int out_chunk(Stream *s, const char *a, Py_ssize_t an, const char *b, Py_ssize_t bn) {
+    if (out_reserve(s, an + bn + 24) < 0) return -1;
+    int h = snprintf(s->out + s->out_len, 24, "%zx\r\n", (size_t)(an + bn));
+    s->out_len += h;
+    memcpy(s->out + s->out_len, a, (size_t)an); s->out_len += an;
+    if (bn) { memcpy(s->out + s->out_len, b, (size_t)bn); s->out_len += bn; }
+    memcpy(s->out + s->out_len, "\r\n", 2); s->out_len += 2;
+    return 0;
+}
+
+static int log_events(Stream *s, const int64_t *ev, Py_ssize_t n) {
+    if (s->log_len + n * 3 > s->log_cap) {
+        Py_ssize_t cap = s->log_cap ? s->log_cap : 3 * 64;
+        while (cap < s->log_len + n * 3) cap *= 2;
+        int64_t *p = realloc(s->log, (size_t)cap * sizeof *p);
+        if (p == NULL) return -1;
+        s->log = p; s->log_cap = cap;
+    }
+    memcpy(s->log + s->log_len, ev, (size_t)n * 3 * sizeof *ev);
+    s->log_len += n * 3;
+    return 0;
+}
+
+/* While the client is not taking what is written, the upstream is not read: only one of the two
+ * descriptors is in the epoll set at a time (an idle one would report a hang-up forever). */
+static void block(Stream *s) {
+    struct epoll_event ev = {.events = EPOLLOUT, .data.ptr = (char *)s + 1};
+    epoll_ctl(s->relay->epfd, EPOLL_CTL_DEL, s->up, NULL);
+    epoll_ctl(s->relay->epfd, EPOLL_CTL_ADD, s->client, &ev);
+    s->blocked = 1;
+}
+
+static void unblock(Stream *s) {
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
+    epoll_ctl(s->relay->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    epoll_ctl(s->relay->epfd, EPOLL_CTL_ADD, s->up, &ev);
+    s->blocked = 0;
+}
+
+/* Hand the stream back (thread only, lock held): out of epoll and `active`, its descriptors
+ * closed; Python hears of it when the current batch of events is done (`publish`), so that
+ * nothing later in the batch can touch a stream Python has already let go. */
+static void hand_back(Relay *r, Stream *s, int ending) {
+    s->ending = ending;
+    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->up, NULL);
+    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    close(s->up); close(s->client);
+    s->up = s->client = -1;
+    if (s->prev) s->prev->next = s->next; else r->active = s->next;
+    if (s->next) s->next->prev = s->prev;
+    s->prev = NULL;
+    s->next = r->retired;
+    r->retired = s;
+}
+
+static void publish(Relay *r) {
+    if (r->retired == NULL) return;
+    pthread_mutex_lock(&r->lock);
+    while (r->retired != NULL) {
+        Stream *s = r->retired;
+        r->retired = s->next;
+        s->next = r->done;
+        r->done = s;
+    }
+    pthread_mutex_unlock(&r->lock);
+    wake(r->notify_fd);
+}
+
+/* Send what is waiting for the client; 0 all sent, 1 blocked, -1 the client's socket broke. */
+static int flush(Stream *s) {
+    while (s->out_off < s->out_len) {
+        ssize_t w = send(s->client, s->out + s->out_off, (size_t)(s->out_len - s->out_off),
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) { s->out_off += w; continue; }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 1;
+        s->err = w < 0 ? errno : EPIPE;
+        return -1;
+    }
+    s->out_len = s->out_off = 0;
+    return 0;
+}
+
+/* Take the whole token chunks at the front of `in`; 1 when the stream must go back. */
+static int take_chunks(Stream *s, int64_t now) {
+    Py_ssize_t pos = 0;
+    int back = 0;
+    int64_t ev[3 * 16];
+    Py_ssize_t nev = 0;
+    Relay *r = s->relay;
+    while (pos < s->in_len) {
+        const char *f = s->in + pos, *end = s->in + s->in_len;
+        const char *q = f;
+        size_t size = 0;
+        while (q < end && q - f < 8) {
+            char ch = *q;
+            int v = (ch >= '0' && ch <= '9') ? ch - '0' : (ch >= 'a' && ch <= 'f') ? ch - 'a' + 10
+                    : (ch >= 'A' && ch <= 'F') ? ch - 'A' + 10 : -1;
+            if (v < 0) break;
+            size = size * 16 + (size_t)v;
+            q++;
+        }
+        if (q == end) break;  /* the size line is not all here yet */
+        if (q == f || *q != '\r') { back = 1; break; }  /* extensions, or not a size: Python */
+        if (end - q < 2) break;
+        if (q[1] != '\n') { back = 1; break; }
+        if (size == 0) { back = 1; break; }  /* the last chunk: Python ends the body */
+        Py_ssize_t head = q + 2 - f, whole = head + (Py_ssize_t)size + 2;
+        if (whole > IN_CAP) { back = 1; break; }
+        if (end - f < whole) break;  /* the rest of this chunk is still to come */
+        const char *d = f + head;
+        if (d[size] != '\r' || d[size + 1] != '\n') { back = 1; break; }
+        int64_t completion, prompt;
+        Py_ssize_t cut_from, cut_to;
+        if (!token_event(d, (Py_ssize_t)size, &completion, &prompt, &cut_from, &cut_to)) {
+            back = 1;
+            break;
+        }
+        int rc = s->strip ? out_chunk(s, d, cut_from, d + cut_to, (Py_ssize_t)size - cut_to)
+                          : out_chunk(s, d, (Py_ssize_t)size, NULL, 0);
+        if (rc < 0) { back = 1; break; }
+        ev[nev * 3] = now; ev[nev * 3 + 1] = completion; ev[nev * 3 + 2] = prompt;
+        if (++nev == 16) {
+            pthread_mutex_lock(&r->lock);
+            log_events(s, ev, nev);
+            pthread_mutex_unlock(&r->lock);
+            nev = 0;
+        }
+        pos += whole;
+    }
+    pthread_mutex_lock(&r->lock);
+    if (nev) log_events(s, ev, nev);
+    s->last_read_ns = now;
+    pthread_mutex_unlock(&r->lock);
+    if (pos) {
+        memmove(s->in, s->in + pos, (size_t)(s->in_len - pos));
+        s->in_len -= pos;
+    }
+    return back;
+}
+
+/* The upstream is readable: one read, its chunks taken, sent on. */
+static void upstream_ready(Relay *r, Stream *s) {
+    if (s->in_len >= IN_CAP) { pthread_mutex_lock(&r->lock); hand_back(r, s, END_HANDOVER);
+                               pthread_mutex_unlock(&r->lock); return; }
+    ssize_t n = recv(s->up, s->in + s->in_len, (size_t)(IN_CAP - s->in_len), MSG_DONTWAIT);
+    int64_t now = now_ns();
+    int ending = END_NONE;
+    if (n > 0) {
+        s->in_len += n;
+        s->leftover_ns = now;
+        if (take_chunks(s, now)) ending = END_HANDOVER;
+    } else if (n == 0) {
+        ending = END_UPSTREAM_EOF;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+        return;
+    } else {
+        s->err = errno;
+        ending = END_UPSTREAM_ERROR;
+    }
+    int sent = flush(s);
+    pthread_mutex_lock(&r->lock);
+    if (sent < 0) {
+        hand_back(r, s, END_CLIENT_ERROR);
+    } else if (ending != END_NONE) {
+        hand_back(r, s, ending);
+    } else if (sent == 1) {
+        s->blocked_since_ns = now;
+        block(s);
+    }
+    pthread_mutex_unlock(&r->lock);
+}
+
+/* The blocked client can take more (or its socket broke). */
+static void client_ready(Relay *r, Stream *s, uint32_t events) {
+    int sent = (events & (EPOLLERR | EPOLLHUP)) ? -1 : flush(s);
+    pthread_mutex_lock(&r->lock);
+    if (sent < 0) {
+        hand_back(r, s, END_CLIENT_ERROR);
+    } else if (sent == 0) {
+        s->blocked_since_ns = 0;
+        unblock(s);
+    }
+    pthread_mutex_unlock(&r->lock);
+}
+
+static void *run(void *arg) {
+    Relay *r = arg;
+    struct epoll_event evs[MAX_EVENTS];
+    for (;;) {
+        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, -1);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            void *ptr = evs[i].data.ptr;
+            if (ptr == NULL) {  /* Python asked: stop streams, or close */
+                uint64_t v;
+                ssize_t rd = read(r->wake_fd, &v, sizeof v);
+                (void)rd;
+                pthread_mutex_lock(&r->lock);
+                Stream *s = r->active;
+                while (s != NULL) {
+                    Stream *next = s->next;
+                    if (s->stop_asked || r->closing) hand_back(r, s, END_ASKED);
+                    s = next;
+                }
+                int closing = r->closing;
+                pthread_mutex_unlock(&r->lock);
+                if (closing) { publish(r); return NULL; }
+                continue;
+            }
+            uintptr_t tag = (uintptr_t)ptr & 1;
+            Stream *s = (Stream *)((uintptr_t)ptr & ~(uintptr_t)1);
+            if (s->up < 0) continue;  /* handed back earlier in this batch */
+            if (tag) { if (s->blocked) client_ready(r, s, evs[i].events); }
+            else if (!s->blocked) upstream_ready(r, s);
+        }
+        publish(r);
+    }
+    return NULL;
+}
+
+/* -- Python: Stream ------------------------------------------------------------------------ */
+
+static void Stream_dealloc(Stream *s) {
+    Py_XDECREF(s->owner);
+    free(s->in); free(s->out); free(s->log);
+    Py_XDECREF((PyObject *)s->relay);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *Stream_poll(Stream *s, PyObject *Py_UNUSED(ignored)) {
+    /* (events, last read, blocked since): the events logged since the last poll, as bytes of
+     * native int64 triples; the time of the last read; when the client stopped reading (0). */
+    Relay *r = s->relay;
+    PyObject *events;
+    int64_t last, blocked;
+    pthread_mutex_lock(&r->lock);  /* the thread holds it briefly and never needs the GIL */
+    events = PyBytes_FromStringAndSize((const char *)s->log, s->log_len * 8);
+    s->log_len = 0;
+    last = s->last_read_ns;
+    blocked = s->blocked_since_ns;
+    pthread_mutex_unlock(&r->lock);
+    if (events == NULL) return NULL;
+    return Py_BuildValue("(NLL)", events, (long long)last, (long long)blocked);
+}
+
+static PyObject *Stream_stop(Stream *s, PyObject *Py_UNUSED(ignored)) {
+    Relay *r = s->relay;
+    pthread_mutex_lock(&r->lock);
+    s->stop_asked = 1;
+    pthread_mutex_unlock(&r->lock);
+    wake(r->wake_fd);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Stream_leftover(Stream *s, void *Py_UNUSED(c)) {
+    /* After the hand-back: the upstream's bytes not taken (from a chunk's first byte). */
+    if (s->ending == END_NONE) Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(s->in, s->in_len);
+}
+
+static PyObject *Stream_unsent(Stream *s, void *Py_UNUSED(c)) {
+    /* After the hand-back: framed output the client has not taken yet. */
+    if (s->ending == END_NONE || s->ending == END_CLIENT_ERROR) return PyBytes_FromString("");
+    return PyBytes_FromStringAndSize(s->out + s->out_off, s->out_len - s->out_off);
+}
+
+static PyMemberDef Stream_members[] = {
+    {"owner", T_OBJECT, offsetof(Stream, owner), 0, "the relay's exchange"},
+    {"ending", T_INT, offsetof(Stream, ending), READONLY, "why it came back (0: it has not)"},
+    {"errno", T_INT, offsetof(Stream, err), READONLY, "errno of a broken socket"},
+    {"leftover_ns", T_LONGLONG, offsetof(Stream, leftover_ns), READONLY,
+     "time of the read the leftover came in"},
+    {NULL},
+};
+
+static PyGetSetDef Stream_getset[] = {
+    {"leftover", (getter)Stream_leftover, NULL, NULL, NULL},
+    {"unsent", (getter)Stream_unsent, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMethodDef Stream_methods[] = {
+    {"poll", (PyCFunction)Stream_poll, METH_NOARGS, NULL},
+    {"stop", (PyCFunction)Stream_stop, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyTypeObject StreamType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "phasewatch.proxy._native.Stream",
+    .tp_basicsize = sizeof(Stream),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Stream_dealloc,
+    .tp_members = Stream_members,
+    .tp_getset = Stream_getset,
+    .tp_methods = Stream_methods,
+};
+
+/* -- Python: Relay ------------------------------------------------------------------------- */
+
+static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, "")) return NULL;
+    Relay *r = (Relay *)type->tp_alloc(type, 0);
+    if (r == NULL) return NULL;
+    r->epfd = r->wake_fd = r->notify_fd = -1;
+    pthread_mutex_init(&r->lock, NULL);
+    r->epfd = epoll_create1(EPOLL_CLOEXEC);
+    r->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    r->notify_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (r->epfd < 0 || r->wake_fd < 0 || r->notify_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(r);
+        return NULL;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    epoll_ctl(r->epfd, EPOLL_CTL_ADD, r->wake_fd, &ev);
+    if (pthread_create(&r->thread, NULL, run, r) != 0) {
+        PyErr_SetString(PyExc_OSError, "could not start the native relay's thread");
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->running = 1;
+    return (PyObject *)r;
+}
+
+static void relay_join(Relay *r) {
+    if (!r->running) return;
+    pthread_mutex_lock(&r->lock);
+    r->closing = 1;
+    pthread_mutex_unlock(&r->lock);
+    wake(r->wake_fd);
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(r->thread, NULL);
+    Py_END_ALLOW_THREADS
+    r->running = 0;
+}
+
+static void Relay_dealloc(Relay *r) {
+    relay_join(r);
+    Stream *s = r->done;
+    while (s != NULL) { Stream *next = s->next; Py_DECREF(s); s = next; }
+    r->done = NULL;
+    if (r->epfd >= 0) close(r->epfd);
+    if (r->wake_fd >= 0) close(r->wake_fd);
+    if (r->notify_fd >= 0) close(r->notify_fd);
+    pthread_mutex_destroy(&r->lock);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *Relay_start(Relay *r, PyObject *args) {
+    /* start(upstream_fd, client_fd, strip, owner) -> Stream */
+    int up, client, strip;
+    PyObject *owner;
+    if (!PyArg_ParseTuple(args, "iipO", &up, &client, &strip, &owner)) return NULL;
+    if (!r->running || r->closing) {
+        PyErr_SetString(PyExc_RuntimeError, "the native relay is closed");
+        return NULL;
+    }
+    Stream *s = PyObject_New(Stream, &StreamType);
+    if (s == NULL) return NULL;
+    memset((char *)s + sizeof(PyObject), 0, sizeof(Stream) - sizeof(PyObject));
+    s->up = s->client = -1;
+    Py_INCREF(owner);
+    s->owner = owner;
+    Py_INCREF(r);
+    s->relay = r;
+    s->strip = strip;
+    s->in = malloc(IN_CAP);
+    s->up = fcntl(up, F_DUPFD_CLOEXEC, 0);
+    s->client = fcntl(client, F_DUPFD_CLOEXEC, 0);
+    if (s->in == NULL || s->up < 0 || s->client < 0) {
+        if (s->up >= 0) close(s->up);
+        if (s->client >= 0) close(s->client);
+        s->up = s->client = -1;
+        Py_DECREF(s);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    /* Linked first (the thread unlinks what it hands back), then in the epoll set; held by
+     * the thread until `finished()` returns it. */
+    Py_INCREF(s);
+    pthread_mutex_lock(&r->lock);
+    s->next = r->active;
+    if (r->active) r->active->prev = s;
+    r->active = s;
+    pthread_mutex_unlock(&r->lock);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
+    if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, s->up, &ev) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        pthread_mutex_lock(&r->lock);
+        if (s->prev) s->prev->next = s->next; else r->active = s->next;
+        if (s->next) s->next->prev = s->prev;
+        pthread_mutex_unlock(&r->lock);
+        close(s->up); close(s->client);
+        s->up = s->client = -1;
+        Py_DECREF(s);
+        Py_DECREF(s);
+        return NULL;
+    }
+    return (PyObject *)s;
+}
+
+static PyObject *Relay_finished(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    /* The streams handed back since the last call, in no particular order. */
+    uint64_t v;
+    ssize_t rd = read(r->notify_fd, &v, sizeof v);
+    (void)rd;
+    pthread_mutex_lock(&r->lock);
+    Stream *s = r->done;
+    r->done = NULL;
+    pthread_mutex_unlock(&r->lock);
+    PyObject *list = PyList_New(0);
+    while (s != NULL) {
+        Stream *next = s->next;
+        s->next = NULL;
+        if (list != NULL && PyList_Append(list, (PyObject *)s) < 0) Py_CLEAR(list);
+        Py_DECREF(s);  /* the thread's reference */
+        s = next;
+    }
+    return list;
+}
+
+static PyObject *Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromLong(r->notify_fd);
+}
+
+static PyObject *Relay_close(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    /* Stop the thread; streams it still held are handed back (ending ASKED) first. */
+    relay_join(r);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Relay_methods[] = {
+    {"start", (PyCFunction)Relay_start, METH_VARARGS, NULL},
+    {"finished", (PyCFunction)Relay_finished, METH_NOARGS, NULL},
+    {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS, NULL},
+    {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyTypeObject RelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "phasewatch.proxy._native.Relay",
+    .tp_basicsize = sizeof(Relay),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Relay_new,
+    .tp_dealloc = (destructor)Relay_dealloc,
+    .tp_methods = Relay_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "The relay's native leg (see native.py).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&RelayType) < 0 || PyType_Ready(&StreamType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&RelayType);
+    PyModule_AddObject(m, "Relay", (PyObject *)&RelayType);
+    Py_INCREF(&StreamType);
+    PyModule_AddObject(m, "Stream", (PyObject *)&StreamType);
+    PyModule_AddIntConstant(m, "HANDOVER", END_HANDOVER);
+    PyModule_AddIntConstant(m, "ASKED", END_ASKED);
+    PyModule_AddIntConstant(m, "UPSTREAM_EOF", END_UPSTREAM_EOF);
+    PyModule_AddIntConstant(m, "UPSTREAM_ERROR", END_UPSTREAM_ERROR);
+    PyModule_AddIntConstant(m, "CLIENT_ERROR", END_CLIENT_ERROR);
+    return m;
+}

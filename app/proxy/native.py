@@ -1,0 +1,141 @@
+"""The native leg: where the middle of a stream is relayed below Python, and how it comes back.
+
+A stream whose tokens are counted exactly (timing.py) spends nearly all its reads as running
+token chunks. Once one has been relayed and Python's reading of the stream is at a chunk
+boundary with nothing held, the relay hands both sockets to the native thread (`_native.c`):
+it relays and stamps those chunks with no Python per read, and hands the stream back at the
+first chunk it does not take plainly (the terminal chunk, usage, `[DONE]`, an error), at the
+end of the body, at a broken socket, or when the relay asks (the client left, an idle or
+stall timeout, shutdown). Python then goes on from that exact byte (`Exchange.native_returned`).
+
+What a client receives and every timing definition are those of the Python path: the thread
+applies `StreamFeed._token_chunk`'s own test and usage cut, and the relay replays each logged
+(read time, completion tokens, prompt tokens) into the stream's `StreamTiming`. The replay
+runs when the stream comes back and on each pass of the live registry (`LiveStreams.check`,
+at most a second apart), so the ITL histogram receives a native stream's samples up to one
+pass late, each with its own time; the idle and client-stall timeouts read the thread's last
+read and blocked-since times on the same pass.
+
+Used under phasewatch's own server (the client leg), on plain TCP on both sides (TLS stays in
+Python), on Linux where the extension is built; `PHASEWATCH_NATIVE_RELAY=false` turns it off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from array import array
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from phasewatch.proxy.timing import StreamTiming
+
+log = logging.getLogger(__name__)
+
+
+class Ending(IntEnum):
+    """Why the thread handed a stream back (`_native.c`)."""
+
+    HANDOVER = 1  # a chunk it does not take plainly, or the body's last chunk
+    ASKED = 2  # the relay asked (`stop()`), or the native relay is closing
+    UPSTREAM_EOF = 3  # the upstream closed its side
+    UPSTREAM_ERROR = 4  # reading the upstream failed (`errno`)
+    CLIENT_ERROR = 5  # writing to the client failed: it is gone
+
+
+class Stream(Protocol):
+    """One stream held by the thread (the extension's `Stream`)."""
+
+    owner: Any
+    ending: int
+    errno: int
+    leftover_ns: int
+    leftover: bytes | None
+    unsent: bytes
+
+    def poll(self) -> tuple[bytes, int, int]: ...
+    def stop(self) -> None: ...
+
+
+class Owner(Protocol):
+    def native_returned(self, stream: Stream) -> None: ...
+
+
+class NativeRelay:
+    """The process's native thread, and the event loop's side of it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        from phasewatch.proxy import _native  # type: ignore[attr-defined]
+
+        self._loop = loop
+        self._relay = _native.Relay()
+        self._open = True
+        loop.add_reader(self._relay.fileno(), self._returned)
+
+    def start(self, upstream: asyncio.BaseTransport, client: asyncio.BaseTransport,
+              strip_usage: bool, owner: Owner) -> Stream | None:
+        """Hand a stream to the thread; None when these transports are not plain sockets (or
+        the thread could not take it), and the stream stays in Python."""
+        up_fd, client_fd = _plain_fd(upstream), _plain_fd(client)
+        if up_fd is None or client_fd is None or not self._open:
+            return None
+        try:
+            stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, owner)
+        except (OSError, RuntimeError):
+            log.warning("the native relay could not take a stream; it stays in Python",
+                        exc_info=True)
+            return None
+        return stream
+
+    def _returned(self) -> None:
+        for stream in self._relay.finished():
+            owner, stream.owner = stream.owner, None
+            try:
+                owner.native_returned(stream)
+            except Exception:  # one exchange's fault must not strand the others
+                log.exception("could not take a stream back from the native relay")
+
+    def close(self) -> None:
+        """Stop the thread; a stream it still held goes back to its exchange first."""
+        self._open = False
+        self._loop.remove_reader(self._relay.fileno())
+        self._relay.close()
+        self._returned()
+
+
+def native_relay(enabled: bool) -> NativeRelay | None:
+    """The native relay for the running loop, or None: turned off, or not built here."""
+    if not enabled:
+        return None
+    try:
+        return NativeRelay(asyncio.get_running_loop())
+    except ImportError:
+        log.info("the native relay is not built in this install: streams are relayed in Python")
+        return None
+
+
+def replay(stream: Stream, timing: StreamTiming) -> tuple[int, int]:
+    """Replay the events the thread logged since the last call into `timing`, as the Python
+    path would have timed them; return (last read time, client blocked since) (0: none)."""
+    events, last_read_ns, blocked_ns = stream.poll()
+    if events:
+        logged = array("q", events)
+        for i in range(0, len(logged), 3):
+            now_ns, completion, prompt = logged[i], logged[i + 1], logged[i + 2]
+            timing.completion_tokens = completion
+            timing.prompt_tokens = prompt if prompt >= 0 else None
+            timing.event(now_ns, completion, 0)
+    return last_read_ns, blocked_ns
+
+
+def _plain_fd(transport: asyncio.BaseTransport) -> int | None:
+    """The socket's descriptor of a plain TCP transport; None for TLS or anything else."""
+    if transport.get_extra_info("sslcontext") is not None \
+            or transport.get_extra_info("ssl_object") is not None:
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return None
+    fd: int = sock.fileno()
+    return fd if fd >= 0 else None

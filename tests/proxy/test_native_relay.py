@@ -1,0 +1,241 @@
+"""The native relay (app/proxy/native.py, _native.c) changes nothing a client or a record sees.
+
+Each stream here goes through two proxies under uvicorn, one with the native relay and one
+without, from a raw upstream that writes exactly the HTTP/1.1 chunks a test scripts (so a
+chunk the native leg must give back can be put mid-stream): the bytes each client receives,
+and the records, are the same; and the native leg really took the streams, more than once per
+stream where one of its chunks had to go back to Python. Also through it: an upstream that
+breaks off mid-stream, a client that leaves, a client that stops reading for a while.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import Proxy
+
+pytest.importorskip("phasewatch.proxy._native", reason="the native relay is not built here")
+
+HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n")
+
+
+def _frame(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _chunk(text: str | None, completion: int, finish: str | None = None,
+           role: bool = False) -> bytes:
+    delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {"content": text}
+    return _event({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                   "model": "m", "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                              "finish_reason": finish}],
+                   "usage": {"prompt_tokens": 7, "total_tokens": 7 + completion,
+                             "completion_tokens": completion}})
+
+
+def _ending(completion: int) -> list[bytes]:
+    """The terminal chunk, the usage chunk and [DONE], each in its own chunk, then the end."""
+    return [_frame(_chunk("", completion, finish="length")),
+            _frame(_event({"id": "chatcmpl-1", "choices": [], "system_fingerprint": "fp_1",
+                           "usage": {"prompt_tokens": 7, "total_tokens": 7 + completion,
+                                     "completion_tokens": completion}})),
+            _frame(b"data: [DONE]\n\n"), b"0\r\n\r\n"]
+
+
+def _tokens(first: int, last: int, pad: int = 1) -> list[bytes]:
+    return [_frame(_chunk("t%d" % i * pad, i)) for i in range(first, last + 1)]
+
+
+class RawUpstream:
+    """An upstream that answers every request with the writes of `script` (bytes, each sent
+    on its own 2 ms after the last; None: close the connection there)."""
+
+    def __init__(self) -> None:
+        self.script: list[bytes | None] = []
+        self.closed_by_peer = threading.Event()  # a write failed: the proxy closed the stream
+        self.blocked = threading.Event()  # a write did not fit the socket: back-pressure
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+        tasks = asyncio.all_tasks(self._loop)
+        for task in tasks:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                writer.write(HEAD)
+                for data in self.script:
+                    await asyncio.sleep(0.002)
+                    if data is None:
+                        writer.transport.abort()
+                        return
+                    writer.write(data)
+                    if writer.transport.get_write_buffer_size():
+                        self.blocked.set()
+                    await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed_by_peer.set()
+        finally:
+            writer.transport.abort()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+@pytest.fixture
+def raw_upstream() -> Iterator[RawUpstream]:
+    upstream = RawUpstream()
+    yield upstream
+    upstream.stop()
+
+
+@pytest.fixture
+def two_proxies(make_proxy: Callable[..., Proxy],
+                raw_upstream: RawUpstream) -> tuple[Proxy, Proxy]:
+    return (make_proxy(raw_upstream.url, native_relay=True),
+            make_proxy(raw_upstream.url, native_relay=False))
+
+
+def _stream(url: str, body: dict[str, Any]) -> bytes:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        return b"".join(response.iter_raw())
+
+
+def _native_streams(proxy: Proxy) -> float:
+    return proxy.sample("phasewatch_native_relay_streams_total")
+
+
+ASK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+ASK_USAGE = {**ASK, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+MIXED = [
+    _frame(_chunk(None, 0, role=True)),
+    *_tokens(1, 40),
+    _frame(_chunk("s", 41)[:30]) + _frame(_chunk("s", 41)[30:]),  # one event in two chunks
+    *_tokens(42, 60),
+    _frame(_chunk("a", 61) + _chunk("b", 62)),  # two events in one chunk
+    *_tokens(63, 70),
+    _frame(b'data: {"id": "c", "choices": [{"index": 0, "delta": {"content": "s"}, '
+           b'"finish_reason": null}], "usage": {"prompt_tokens": 7, "completion_tokens": 71}}'
+           b"\n\n"),  # spaced JSON
+    *_tokens(72, 80),
+    _frame(_chunk("x", 81)[:-1]), _frame(b"\n"),  # the blank line in a chunk of its own
+    *_tokens(82, 90),
+    *_ending(90),
+]
+
+
+@pytest.mark.parametrize("body", [ASK, ASK_USAGE], ids=["usage-cut", "usage-asked"])
+def test_the_client_gets_the_same_bytes_and_the_record_the_same_figures(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,
+        body: dict[str, Any]) -> None:
+    raw_upstream.script = MIXED
+    native, python = two_proxies
+    got = _stream(native.url, body)
+    assert got == _stream(python.url, body)
+    assert got.endswith(b"data: [DONE]\n\n")
+    if body is ASK:
+        assert b'"usage"' not in got and b'"system_fingerprint":"fp_1"' in got
+    # Taken at the first token chunk and again after each chunk it gave back.
+    assert _native_streams(native) >= 4
+    assert _native_streams(python) == 0
+    mine, theirs = native.next_record(), python.next_record()
+    assert mine.outcome == theirs.outcome == "ok"
+    assert mine.output_tokens == theirs.output_tokens == 90
+    assert mine.prompt_tokens == theirs.prompt_tokens == 7
+    assert mine.tokens_exact and theirs.tokens_exact
+    assert mine.itl_count == theirs.itl_count == 89
+    itl = "phasewatch_inter_token_latency_seconds_count"
+    labels = {"model": "m", "endpoint": "chat.completions"}
+    assert native.sample(itl, labels) == python.sample(itl, labels) == 89
+
+
+def test_an_upstream_that_breaks_off_mid_stream_is_reported_alike(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), None]
+    native, python = two_proxies
+    got = _stream(native.url, ASK)
+    assert got == _stream(python.url, ASK)
+    assert b"upstream stream broke" in got and got.endswith(b"data: [DONE]\n\n")
+    mine, theirs = native.next_record(), python.next_record()
+    assert mine.outcome == theirs.outcome == "stream_error"
+    assert mine.error == theirs.error
+    assert mine.output_tokens == theirs.output_tokens == 30
+    assert _native_streams(native) >= 1
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_upstream(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5000),
+                           *_ending(5000)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = orjson.dumps(ASK)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        seen = b""
+        while seen.count(b"data: ") < 20:  # well into the native leg's part
+            seen += sock.recv(65536)
+    assert raw_upstream.closed_by_peer.wait(10)  # the engine learns the client left
+    record = proxy.next_record()
+    assert record.outcome == "cancelled"
+    assert 19 <= record.output_tokens < 5000
+    assert _native_streams(proxy) >= 1
+
+
+def test_a_client_that_stops_reading_holds_the_upstream_back_and_loses_nothing(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 300, pad=8000),
+                           *_ending(300)]
+    native, python = two_proxies
+    received: list[bytes] = []
+    with httpx.stream("POST", native.url + "/v1/chat/completions", json=ASK,
+                      timeout=30) as response:
+        parts = response.iter_raw()
+        received.append(next(parts))
+        # Not reading until the upstream's writes back up: every buffer between is full.
+        assert raw_upstream.blocked.wait(20)
+        received.extend(parts)
+    got = b"".join(received)
+    assert got == _stream(python.url, ASK)
+    record = native.next_record()
+    assert record.outcome == "ok" and record.output_tokens == 300
+    assert _native_streams(native) >= 1
