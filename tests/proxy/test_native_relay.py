@@ -56,7 +56,7 @@ def _ending(completion: int) -> list[bytes]:
 
 
 def _tokens(first: int, last: int, pad: int = 1) -> list[bytes]:
-    return [_frame(_chunk("t%d" % i * pad, i)) for i in range(first, last + 1)]
+    return [_frame(_chunk(f"t{i}" * pad, i)) for i in range(first, last + 1)]
 
 
 class RawUpstream:
