@@ -1,5 +1,6 @@
 # phasewatch's production image, in two stages:
-#   build:   the wheel, from this source tree (what `pip wheel .` makes, and the tests install);
+#   build:   the wheel, from this source tree (what `pip wheel .` makes, and the tests install),
+#            with the native relay compiled in (app/proxy/_native.c: the stage's C compiler);
 #   runtime: the locked dependencies (requirements.lock, every version and hash pinned) and that
 #            wheel, installed by deploy/install-runtime.sh (the tests run the same script) into
 #            /opt/phasewatch, run as a non-root user. No source tree, no compiler, no editable
@@ -8,12 +9,17 @@
 # PHASEWATCH_OTEL_ENABLED is set). The same image runs the simulator (`phasewatch sim`) for machines without a GPU
 # (docker-compose.yml, profile `sim`).
 FROM python:3.11-slim AS build
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY app ./app
 COPY migrations ./migrations
 RUN pip install --no-cache-dir build==1.6.1 \
-    && python -m build --wheel --outdir /dist
+    && python -m build --wheel --outdir /dist \
+    && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/dist/*.whl')[0]).namelist(); sys.exit(not any(n.startswith('phasewatch/proxy/_native') for n in names))"
 
 FROM python:3.11-slim AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -36,8 +42,8 @@ ENV PATH=/opt/phasewatch/bin:$PATH \
     PHASEWATCH_PORT=8080 \
     PHASEWATCH_DATABASE_URL=sqlite+aiosqlite:////var/lib/phasewatch/phasewatch.db
 EXPOSE 8080
-# Open files: `serve` raises its soft limit to the hard one the runtime gives it (two
-# descriptors per stream) and logs the streams that allows. An image cannot raise the hard
+# Open files: `serve` raises its soft limit to the hard one the runtime gives it (four
+# descriptors per stream with the native relay, two without) and logs the streams that allows. An image cannot raise the hard
 # limit itself: run it with `--ulimit nofile=65536:65536` (docker-compose.yml sets it; on
 # Kubernetes the container runtime's default, usually 1048576, applies).
 # Healthy means ready: serving, not draining, records being stored (GET /api/ready).

@@ -11,11 +11,13 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import httpx
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -94,8 +96,14 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_artefacts_hold_the_package_and_pass_twine(dist: Path) -> None:
     [wheel] = dist.glob("phasewatch-*.whl")
     [sdist] = dist.glob("phasewatch-*.tar.gz")
-    assert wheel.name == f"phasewatch-{__version__}-py3-none-any.whl"
+    # A platform wheel: the native relay (app/proxy/_native.c) is compiled into it.
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    assert re.fullmatch(rf"phasewatch-{re.escape(__version__)}-{tag}-{tag}-linux_\w+\.whl",
+                        wheel.name), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
+    assert any(re.fullmatch(r"phasewatch/proxy/_native\.[\w.-]+\.so", name) for name in names)
+    with tarfile.open(sdist) as archive:  # the sdist builds it again
+        assert any(name.endswith("/app/proxy/_native.c") for name in archive.getnames())
     top = {name.split("/", 1)[0] for name in names}
     assert top == {"phasewatch", f"phasewatch-{__version__}.dist-info"}  # no `app` package
     for needed in ("phasewatch/migrations/env.py", "phasewatch/migrations/script.py.mako",
@@ -146,4 +154,8 @@ def test_the_wheel_installs_as_the_image_does_and_runs_anywhere(
         out = run(["phasewatch", "bench", "prompt", "--url", f"http://127.0.0.1:{proxy_port}",
                    "--prompt-tokens", "32", "128", "--max-tokens", "8", "--requests", "2",
                    "--no-plots", "--quiet", "--out", str(work / "bench")], work, env)
+        # The installed wheel's native relay carried the middle of those streams.
+        metrics = httpx.get(f"http://127.0.0.1:{proxy_port}/metrics").text
+        native = re.search(r"^phasewatch_native_relay_streams_total (\S+)$", metrics, re.M)
+        assert native is not None and float(native.group(1)) > 0, metrics
     assert list((work / "bench").glob("*.json")), out
