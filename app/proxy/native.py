@@ -120,12 +120,7 @@ def replay(stream: Stream, timing: StreamTiming) -> tuple[int, int]:
     path would have timed them; return (last read time, client blocked since) (0: none)."""
     events, last_read_ns, blocked_ns = stream.poll()
     if events:
-        logged = array("q", events)
-        for i in range(0, len(logged), 3):
-            now_ns, completion, prompt = logged[i], logged[i + 1], logged[i + 2]
-            timing.completion_tokens = completion
-            timing.prompt_tokens = prompt if prompt >= 0 else None
-            timing.event(now_ns, completion, 0)
+        timing.exact_events(array("q", events))
     return last_read_ns, blocked_ns
 
 

@@ -283,6 +283,7 @@ class Exchange:
             self.label = ctx.labels.label(self._plan.model, True)
             bound = ctx.metrics.bind(self.label, self._record.endpoint)
             timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.observe_itl
+            timing.observe_itl_many = bound.observe_itl_many
             if ctx.exemplars:
                 trace = self._trace
                 timing.exemplar = request_exemplar(

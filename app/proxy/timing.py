@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from phasewatch.core.metrics import Exemplar, Observe
+from phasewatch.core.metrics import Exemplar, Observe, ObserveMany
 from phasewatch.proxy.gap_summary import GapSummary, Summary
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ PENDING_LIMIT = 8192  # events that may wait for the final usage (16 bytes each)
 
 
 def _nowhere(_: float, __: Exemplar | None = None) -> None:
+    pass
+
+
+def _nowhere_many(_: list[float]) -> None:
     pass
 
 
@@ -73,6 +78,7 @@ class StreamTiming:
     # Where TTFT and ITL samples go as they are measured (the relay binds the histograms).
     observe_ttft: Observe = _nowhere
     observe_itl: Observe = _nowhere
+    observe_itl_many: ObserveMany = _nowhere_many  # the ITL histogram, many at once
     exemplar: Exemplar | None = None  # None: no exemplars
     counting: Counting = Counting.PENDING
     first_output_ns: int | None = None
@@ -117,6 +123,48 @@ class StreamTiming:
             else:
                 self.overflow += 1
                 self._itl((now_ns - last) / NS, 1)
+
+    def exact_events(self, logged: Sequence[int]) -> None:
+        """Events of an exactly counted stream as (read time, completion tokens, prompt tokens
+        or -1) triples (the native leg's log, native.py): what `event()` on each in turn with
+        its usage would do, in one pass, the exemplar-less ITL samples observed together."""
+        if self.counting is not Counting.EXACT:
+            for i in range(0, len(logged), 3):
+                self.completion_tokens = logged[i + 1]
+                self.prompt_tokens = logged[i + 2] if logged[i + 2] >= 0 else None
+                self.event(logged[i], logged[i + 1], 0)
+            return
+        if not logged:
+            return
+        seen, last, gaps, exemplar = self.tokens_seen, self.last_output_ns, self.gaps, self.exemplar
+        assert last is not None
+        add, plain = gaps.add, []
+        for i in range(0, len(logged), 3):
+            completion = logged[i + 1]
+            tokens = completion - seen
+            if tokens <= 0:
+                continue
+            now_ns = logged[i]
+            gap_s = (now_ns - last) / NS / tokens
+            seen, last = completion, now_ns
+            if exemplar is not None and gap_s > gaps.largest:
+                try:  # the stream's largest gap so far carries the exemplar, as in `_itl`
+                    self.observe_itl(gap_s, exemplar)
+                except Exception:  # metrics must never break a stream
+                    log.exception("could not observe an ITL")
+                plain.extend([gap_s] * (tokens - 1))
+            elif tokens == 1:
+                plain.append(gap_s)
+            else:
+                plain.extend([gap_s] * tokens)
+            add(gap_s, tokens)
+        self.tokens_seen, self.last_output_ns = seen, last
+        self.completion_tokens = logged[-2]
+        self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None
+        try:
+            self.observe_itl_many(plain)
+        except Exception:  # metrics must never break a stream
+            log.exception("could not observe an ITL")
 
     def _first(self, now_ns: int, cumulative: int | None, chars: int) -> None:
         if cumulative is not None and self.single_choice:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+from array import array
 from datetime import UTC, datetime
+from typing import Any
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from phasewatch.core.events import (
     Kind,
@@ -15,6 +18,7 @@ from phasewatch.core.events import (
     strip_usage,
     system_fingerprint,
 )
+from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.quantiles import percentile
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.gap_summary import GapSummary
@@ -283,6 +287,55 @@ def test_exemplars_go_with_the_ttft_and_each_new_largest_gap_only() -> None:
     t.event(10 * MS, 1, 1)
     t.event(30 * MS, 2, 1)
     assert len(quiet) == 2 and quiet.exemplars == []
+
+
+def test_exact_events_in_one_pass_leave_what_event_by_event_leaves() -> None:
+    """The native leg's replay (`exact_events`) against `event()` on each logged event: the
+    same timing, record figures and Prometheus histogram (buckets, count, exemplars; the sum
+    to rounding), through events without a new token and events of several."""
+    rng = random.Random(7)
+    log: list[int] = []
+    at, count = 100 * MS, 1
+    for _ in range(3000):  # past the gap summary's exact limit
+        at += rng.choice((0, 1, 3, 12, 40, 250)) * MS + rng.randrange(MS)
+        count += rng.choice((0, 1, 1, 1, 2, 5))
+        log += [at, count, rng.choice((7, -1))]
+    metrics = [ProxyMetrics(CollectorRegistry(), slo_ttft_s=0.5, slo_itl_s=0.0125)
+               for _ in range(2)]
+    timings = []
+    for m in metrics:
+        bound = m.bind("m", "completions")
+        t = StreamTiming(arrival_ns=0, observe_ttft=bound.ttft.observe,
+                         observe_itl=bound.observe_itl, observe_itl_many=bound.observe_itl_many,
+                         exemplar={"request_id": "r1"})
+        t.completion_tokens, t.prompt_tokens = 1, 7
+        t.event(100 * MS, 1, 1)
+        timings.append(t)
+    one_by_one, in_a_pass = timings
+    for i in range(0, len(log), 3):
+        one_by_one.completion_tokens = log[i + 1]
+        one_by_one.prompt_tokens = log[i + 2] if log[i + 2] >= 0 else None
+        one_by_one.event(log[i], log[i + 1], 0)
+    for start in range(0, len(log), 300):  # as the live passes replay it, a slice at a time
+        in_a_pass.exact_events(array("q", log[start:start + 300]))
+    for t in timings:
+        t.end_ns = at
+    assert figures(in_a_pass) == figures(one_by_one)
+    assert (in_a_pass.tokens_seen, in_a_pass.prompt_tokens, in_a_pass.completion_tokens) == (
+        one_by_one.tokens_seen, one_by_one.prompt_tokens, one_by_one.completion_tokens)
+
+    def exposed(m: ProxyMetrics) -> list[tuple[str, dict[str, str], float, Any]]:
+        return [(s.name, s.labels, s.value, s.exemplar and s.exemplar.labels)
+                for family in m.itl.collect() for s in family.samples
+                if not s.name.endswith(("_created", "_sum"))]
+
+    def sum_of(m: ProxyMetrics) -> float:
+        return next(s.value for family in m.itl.collect() for s in family.samples
+                    if s.name.endswith("_sum"))
+
+    assert exposed(metrics[1]) == exposed(metrics[0])
+    assert sum_of(metrics[1]) == pytest.approx(sum_of(metrics[0]), rel=1e-12)
+    assert one_by_one.gaps.count == count - 1 > 3000
 
 
 def test_a_failing_histogram_never_breaks_the_stream() -> None:
