@@ -16,9 +16,11 @@ the upstream returned, just before those bytes are forwarded to the client. Inte
             Exact counts: the request asks one choice and the upstream sends running usage on
             its events (`continuous_usage_stats`, which phasewatch asks vLLM for). Each
             event's tokens are the rise of that count, and its samples are observed into the
-            ITL histogram when it arrives. An event that does not raise the count carries no
-            token; its gap folds into the next token's. A stream of n tokens whose first event
-            carries one has exactly n - 1 samples.
+            ITL histogram when it arrives (chunks the native leg relayed: when they are
+            replayed, `exact_events`, at most one live pass later, each with its own time).
+            An event that does not raise the count carries no token; its gap folds into the
+            next token's. A stream of n tokens whose first event carries one has exactly
+            n - 1 samples.
             Otherwise (no running usage, or n > 1, where vLLM counts each choice apart) the
             tokens per event are only known from the final usage: when the stream ends, that
             count is spread over the events in proportion to their characters (at least one
