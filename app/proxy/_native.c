@@ -227,8 +227,13 @@ static int out_reserve(Stream *s, Py_ssize_t more) {
 
 static int out_chunk(Stream *s, const char *a, Py_ssize_t an, const char *b, Py_ssize_t bn) {
     if (out_reserve(s, an + bn + 24) < 0) return -1;
-    int h = snprintf(s->out + s->out_len, 24, "%zx\r\n", (size_t)(an + bn));
-    s->out_len += h;
+    /* the chunk-size line, lower-case hex as the Python path writes it (no printf per chunk) */
+    size_t size = (size_t)(an + bn);
+    char hex[2 * sizeof size];
+    int h = 0;
+    do { hex[h++] = "0123456789abcdef"[size & 15]; size >>= 4; } while (size);
+    while (h) s->out[s->out_len++] = hex[--h];
+    s->out[s->out_len++] = '\r'; s->out[s->out_len++] = '\n';
     memcpy(s->out + s->out_len, a, (size_t)an); s->out_len += an;
     if (bn) { memcpy(s->out + s->out_len, b, (size_t)bn); s->out_len += bn; }
     memcpy(s->out + s->out_len, "\r\n", 2); s->out_len += 2;
