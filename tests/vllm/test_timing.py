@@ -137,6 +137,14 @@ def table(observed: list[Observed]) -> str:
     return "\n" + "\n".join(o.row() for o in observed)
 
 
+def test_the_native_relay_carried_the_streams(observed: list[Observed],
+                                              vllm_proxy_module: Proxy) -> None:
+    """vLLM's running token chunks pass the native relay's test (app/proxy/_native.c): the
+    streams above were handed to it, so the figures checked here are the native leg's."""
+    handed = vllm_proxy_module.sample("phasewatch_native_relay_streams_total")
+    assert handed >= len(observed), (handed, len(observed))
+
+
 def test_counts_are_exact(observed: list[Observed]) -> None:
     print(table(observed))  # the figures, for `pytest -rP`
     for o in observed:
