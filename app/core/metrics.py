@@ -14,15 +14,27 @@ each gauge says how with its `multiprocess_mode` (ignored with one process).
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
+from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.samples import Exemplar as SampledExemplar
 
-# A histogram child's `observe(value, exemplar)`; the exemplar's labels, or None.
+# An exemplar's labels.
 Exemplar = dict[str, str]
-Observe = Callable[[float, Exemplar | None], None]
+
+
+class Observe(Protocol):
+    """A histogram child's `observe(value, exemplar=None)`."""
+
+    def __call__(self, amount: float, exemplar: Exemplar | None = None, /) -> None: ...
+
+
 # Observations made together, none with an exemplar.
 ObserveMany = Callable[[list[float]], None]
 
@@ -72,27 +84,30 @@ def with_edges(buckets: tuple[float, ...], *edges: float) -> tuple[float, ...]:
 
 
 def fast_observe(child: Histogram) -> Observe:
-    """`child.observe`, for the one observation made per relayed token (ITL).
+    """`child.observe`, for the observations the relay makes per token and per request.
 
     prometheus_client's `Histogram.observe` checks the child is observable and then walks its
     bounds one by one to the first that holds the value: at a typical ITL that is a dozen
-    iterations of interpreted code per token. This finds the same bucket by bisection (for
-    any number but NaN, which a gap between two clock readings never is) and increments the
-    same values (in-process or, under several workers, the multiprocess
-    files), so scrapes read exactly what `observe` would have left. `child` is a labelled
-    child (`.labels(...)`), which is always observable. An observation with an exemplar goes
-    through `observe` itself. The attributes read here are prometheus_client's own, not its
-    public API: `tests/proxy/test_metrics.py` holds the two equal, so an upgrade that
-    changes them fails there, not in production.
+    iterations of interpreted code per token; with an exemplar it also validates the
+    exemplar's labels. This finds the same bucket by bisection (for any number but NaN, which
+    a gap between two clock readings or a token count never is), increments the same values
+    (in-process or, under several workers, the multiprocess files) and sets the same exemplar
+    on the bucket, so scrapes read exactly what `observe` would have left. `child` is a
+    labelled child (`.labels(...)`), which is always observable. Exemplars are not validated
+    again: phasewatch's own (`request_exemplar`) fit OpenMetrics' 128 characters by
+    construction. The attributes read here are prometheus_client's own, not its public API:
+    `tests/proxy/test_metrics.py` holds the two equal, so an upgrade that changes them fails
+    there, not in production.
     """
     bounds, increments, add_to_sum = _parts(child)
+    set_exemplar = [bucket.set_exemplar for bucket in child._buckets]
 
     def observe(amount: float, exemplar: Exemplar | None = None) -> None:
-        if exemplar:
-            child.observe(amount, exemplar)
-            return
         add_to_sum(amount)
-        increments[bisect_left(bounds, amount)](1)
+        index = bisect_left(bounds, amount)
+        increments[index](1)
+        if exemplar:
+            set_exemplar[index](SampledExemplar(exemplar, amount, time.time()))
 
     return observe
 
@@ -106,10 +121,7 @@ def fast_observe_many(child: Histogram) -> ObserveMany:
     def observe_many(amounts: list[float]) -> None:
         if not amounts:
             return
-        counts: dict[int, int] = {}
-        for amount in amounts:
-            index = bisect_left(bounds, amount)
-            counts[index] = counts.get(index, 0) + 1
+        counts = Tally(map(bisect_left, repeat(bounds), amounts))
         add_to_sum(sum(amounts))
         for index, count in counts.items():
             increments[index](count)
@@ -128,12 +140,20 @@ def _parts(child: Histogram) -> tuple[list[float], list[Callable[[float], None]]
 class BoundMetrics:
     """Label children for one (model, endpoint), bound once."""
 
-    ttft: Histogram
-    observe_itl: Observe  # the ITL histogram's child, observed by fast_observe
-    observe_itl_many: ObserveMany  # the same child, by fast_observe_many
-    tpot: Histogram
-    prompt_tokens: Histogram
-    output_tokens: Histogram
+    observe_ttft: Observe  # each histogram's child, observed by fast_observe
+    observe_itl: Observe
+    observe_itl_many: ObserveMany  # the ITL's child, by fast_observe_many
+    observe_tpot: Observe
+    observe_prompt_tokens: Observe
+    observe_output_tokens: Observe
+
+
+@dataclass(slots=True, frozen=True)
+class EndedMetrics:
+    """Label children for one (model, endpoint, outcome), bound once."""
+
+    observe_e2e: Observe
+    count_request: Callable[[], None]
 
 
 class ProxyMetrics:
@@ -220,6 +240,8 @@ class ProxyMetrics:
             registry=registry, multiprocess_mode="livesum",
         )
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
+        self._ended: dict[tuple[str, str, str], EndedMetrics] = {}
+        self.observe_proxy_queue = fast_observe(self.proxy_queue)
 
     def bind(self, model: str, endpoint: str) -> BoundMetrics:
         key = (model, endpoint)
@@ -227,12 +249,25 @@ class ProxyMetrics:
         if bound is None:
             itl = self.itl.labels(model, endpoint)
             bound = BoundMetrics(
-                ttft=self.ttft.labels(model, endpoint),
+                observe_ttft=fast_observe(self.ttft.labels(model, endpoint)),
                 observe_itl=fast_observe(itl),
                 observe_itl_many=fast_observe_many(itl),
-                tpot=self.tpot.labels(model, endpoint),
-                prompt_tokens=self.prompt_tokens.labels(model, endpoint),
-                output_tokens=self.output_tokens.labels(model, endpoint),
+                observe_tpot=fast_observe(self.tpot.labels(model, endpoint)),
+                observe_prompt_tokens=fast_observe(self.prompt_tokens.labels(model, endpoint)),
+                observe_output_tokens=fast_observe(self.output_tokens.labels(model, endpoint)),
             )
             self._bound[key] = bound
         return bound
+
+    def ended(self, model: str, endpoint: str, outcome: str) -> EndedMetrics:
+        """The children a request's ending is counted in. Bounded like the labels themselves:
+        models by `ModelLabels`, endpoints and outcomes are fixed sets."""
+        key = (model, endpoint, outcome)
+        ended = self._ended.get(key)
+        if ended is None:
+            ended = EndedMetrics(
+                observe_e2e=fast_observe(self.e2e.labels(model, endpoint, outcome)),
+                count_request=self.requests.labels(model, endpoint, outcome).inc,
+            )
+            self._ended[key] = ended
+        return ended

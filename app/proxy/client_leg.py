@@ -37,6 +37,8 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from phasewatch.proxy.native import plain_fd
+
 CLIENT_LEG = "phasewatch.client_leg"
 # The lifespan state key under which the app offers its shutdown's `begin` (shutdown.py).
 SHUTDOWN_HOOK = "phasewatch.shutdown"
@@ -47,10 +49,11 @@ log = logging.getLogger(__name__)
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "arrival_ns", "on_disconnect", "on_pause", "on_resume")
+    __slots__ = ("_cycle", "arrival_ns", "on_disconnect", "on_pause", "on_resume", "plain_fd")
 
-    def __init__(self, arrival_ns: int) -> None:
+    def __init__(self, arrival_ns: int, plain_fd: int | None = None) -> None:
         self.arrival_ns = arrival_ns
+        self.plain_fd = plain_fd  # the connection's socket, for the native leg (native.py)
         self._cycle: RequestResponseCycle | None = None
         # Set by the relay while it writes directly: called as the client's buffer fills/drains.
         self.on_pause: Callable[[], None] | None = None
@@ -110,6 +113,7 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     uvicorn would answer in plain text, and only after reading a request)."""
 
     _read_ns = 0
+    _plain_fd: int | None = None
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
     _refused = 0  # (class-wide) connections refused so far
@@ -117,6 +121,7 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._plain_fd = plain_fd(transport)
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) >= limit:
             # Out of the count at once (not when the close completes), so that uvicorn's own
@@ -142,7 +147,7 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._leg = ClientLeg(self._read_ns)
+        self._leg = ClientLeg(self._read_ns, self._plain_fd)
         # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
         self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]
 

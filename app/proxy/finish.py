@@ -48,14 +48,15 @@ def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> s
     # TTFT and token gaps were observed as they happened (timing.py), whatever the ending.
     if record.outcome is Outcome.OK:
         if figs.tpot_s is not None:
-            bound.tpot.observe(figs.tpot_s)
+            bound.observe_tpot(figs.tpot_s)
         if figs.prompt_tokens is not None:
-            bound.prompt_tokens.observe(figs.prompt_tokens)
+            bound.observe_prompt_tokens(figs.prompt_tokens)
         if figs.output_tokens is not None:
-            bound.output_tokens.observe(figs.output_tokens)
+            bound.observe_output_tokens(figs.output_tokens)
+    ended = metrics.ended(label, record.endpoint, outcome)
     if figs.e2e_s is not None:
-        metrics.e2e.labels(label, record.endpoint, outcome).observe(figs.e2e_s)
-    metrics.requests.labels(label, record.endpoint, outcome).inc()
+        ended.observe_e2e(figs.e2e_s)
+    ended.count_request()
 
     record.ttft_s = figs.ttft_s
     record.e2e_s = figs.e2e_s

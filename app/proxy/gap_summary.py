@@ -54,6 +54,28 @@ class GapSummary:
                 self._count_in_bucket(gap, 1)
         self._count_in_bucket(gap_s, times)
 
+    def extend(self, gaps: list[float], total: float) -> None:
+        """One gap per token, in order: what as many `add(gap)` calls leave. `total` is the
+        running total they would reach, summed by the caller as `add` sums (`self.total` plus
+        each event's gap x its tokens), so the mean is the same to the bit."""
+        if not gaps:
+            return
+        self.count += len(gaps)
+        self.total = total
+        largest = max(gaps)
+        if largest > self.largest:
+            self.largest = largest
+        exact = self._exact
+        if exact is not None:
+            if len(exact) + len(gaps) <= EXACT_LIMIT:
+                exact.extend(gaps)
+                return
+            self._exact = None
+            for gap in exact:
+                self._count_in_bucket(gap, 1)
+        for gap in gaps:
+            self._count_in_bucket(gap, 1)
+
     def _count_in_bucket(self, gap_s: float, times: int) -> None:
         key = math.ceil(math.log(gap_s) / _LOG_GAMMA) - 1 if gap_s > 0 else _ZERO
         self._buckets[key] = self._buckets.get(key, 0) + times

@@ -73,12 +73,11 @@ class NativeRelay:
         self._open = True
         loop.add_reader(self._relay.fileno(), self._returned)
 
-    def start(self, upstream: asyncio.BaseTransport, client: asyncio.BaseTransport,
-              strip_usage: bool, owner: Owner) -> Stream | None:
-        """Hand a stream to the thread; None when these transports are not plain sockets (or
-        the thread could not take it), and the stream stays in Python."""
-        up_fd, client_fd = _plain_fd(upstream), _plain_fd(client)
-        if up_fd is None or client_fd is None or not self._open:
+    def start(self, up_fd: int, client_fd: int, strip_usage: bool, owner: Owner,
+              ) -> Stream | None:
+        """Hand a stream to the thread, given its two sockets' descriptors (`plain_fd`); None
+        when the thread could not take it, and the stream stays in Python."""
+        if not self._open:
             return None
         try:
             stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, owner)
@@ -124,8 +123,9 @@ def replay(stream: Stream, timing: StreamTiming) -> tuple[int, int]:
     return last_read_ns, blocked_ns
 
 
-def _plain_fd(transport: asyncio.BaseTransport) -> int | None:
-    """The socket's descriptor of a plain TCP transport; None for TLS or anything else."""
+def plain_fd(transport: asyncio.BaseTransport) -> int | None:
+    """The socket's descriptor of a plain TCP transport; None for TLS or anything else. Read
+    once per connection (by its protocol): the lookups cost more than the handoff itself."""
     if transport.get_extra_info("sslcontext") is not None \
             or transport.get_extra_info("ssl_object") is not None:
         return None

@@ -136,7 +136,7 @@ async def relay(
         if ctx.otel is not None:
             request_trace = ctx.otel.begin(scope["headers"], endpoint, plan.model, plan.stream,
                                            arrival_ns)
-        ctx.metrics.proxy_queue.observe((perf_counter_ns() - arrival_ns) / NS)
+        ctx.metrics.observe_proxy_queue((perf_counter_ns() - arrival_ns) / NS)
         await Exchange(ctx, scope, plan, record, timing, leg, request_trace).run(receive, send)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
@@ -282,7 +282,7 @@ class Exchange:
             # Served: the model earns its label. TTFT and ITL are observed as they arrive.
             self.label = ctx.labels.label(self._plan.model, True)
             bound = ctx.metrics.bind(self.label, self._record.endpoint)
-            timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.observe_itl
+            timing.observe_ttft, timing.observe_itl = bound.observe_ttft, bound.observe_itl
             timing.observe_itl_many = bound.observe_itl_many
             if ctx.exemplars:
                 trace = self._trace
@@ -331,11 +331,14 @@ class Exchange:
         if (self.phase is not Phase.STREAMING or leg is None or leg.paused or conn is None
                 or conn.transport is None or native is None or self._native is not None):
             return
+        if conn.plain_fd is None or leg.plain_fd is None:  # TLS on a side: it stays in Python
+            self._native_tried = True
+            return
         client = leg.transport
         if client is None or client.get_write_buffer_size():
             return
         conn.pause_reading()
-        stream = native.start(conn.transport, client, self._plan.strip_chunk_usage, self)
+        stream = native.start(conn.plain_fd, leg.plain_fd, self._plan.strip_chunk_usage, self)
         if stream is None:
             self._native_tried = True
             conn.resume_reading()

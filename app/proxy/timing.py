@@ -140,7 +140,8 @@ class StreamTiming:
             return
         seen, last, gaps, exemplar = self.tokens_seen, self.last_output_ns, self.gaps, self.exemplar
         assert last is not None
-        add, plain = gaps.add, []
+        # Every token's gap in order (the stream's summary) and those observed together.
+        largest, total, samples, plain = gaps.largest, gaps.total, [], []
         for i in range(0, len(logged), 3):
             completion = logged[i + 1]
             tokens = completion - seen
@@ -149,17 +150,25 @@ class StreamTiming:
             now_ns = logged[i]
             gap_s = (now_ns - last) / NS / tokens
             seen, last = completion, now_ns
-            if exemplar is not None and gap_s > gaps.largest:
-                try:  # the stream's largest gap so far carries the exemplar, as in `_itl`
-                    self.observe_itl(gap_s, exemplar)
-                except Exception:  # metrics must never break a stream
-                    log.exception("could not observe an ITL")
-                plain.extend([gap_s] * (tokens - 1))
-            elif tokens == 1:
+            total += gap_s * tokens  # as `GapSummary.add` sums, to the bit
+            if tokens == 1:
+                samples.append(gap_s)
+            else:
+                samples.extend([gap_s] * tokens)
+            if gap_s > largest:
+                largest = gap_s
+                if exemplar is not None:
+                    try:  # the stream's largest gap so far carries the exemplar, as in `_itl`
+                        self.observe_itl(gap_s, exemplar)
+                    except Exception:  # metrics must never break a stream
+                        log.exception("could not observe an ITL")
+                    plain.extend([gap_s] * (tokens - 1))
+                    continue
+            if tokens == 1:
                 plain.append(gap_s)
             else:
                 plain.extend([gap_s] * tokens)
-            add(gap_s, tokens)
+        gaps.extend(samples, total)
         self.tokens_seen, self.last_output_ns = seen, last
         self.completion_tokens = logged[-2]
         self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None

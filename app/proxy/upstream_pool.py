@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from phasewatch.proxy.native import plain_fd
+
 
 class UpstreamHandler(Protocol):
     """What an exchange hears from its upstream connection; called from read callbacks."""
@@ -48,7 +50,7 @@ class ConnState(Enum):
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("_body_until_close", "_handler", "_headers", "_parser", "_piece", "_pieces",
                  "_pool", "_read_ns", "_responded", "handoff", "idle_since", "keep_alive",
-                 "reused", "state", "transport")
+                 "plain_fd", "reused", "state", "transport")
 
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
@@ -64,6 +66,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._responded = False  # a byte of the current response has arrived
         self._body_until_close = False
         self.transport: asyncio.Transport | None = None
+        self.plain_fd: int | None = None  # its socket, for the native leg (native.py)
         self.state = ConnState.CONNECTING
         self.keep_alive = False
         self.reused = False
@@ -123,6 +126,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.plain_fd = plain_fd(transport)
 
     def data_received(self, data: bytes) -> None:
         self._read(data, perf_counter_ns())

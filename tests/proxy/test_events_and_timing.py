@@ -305,7 +305,7 @@ def test_exact_events_in_one_pass_leave_what_event_by_event_leaves() -> None:
     timings = []
     for m in metrics:
         bound = m.bind("m", "completions")
-        t = StreamTiming(arrival_ns=0, observe_ttft=bound.ttft.observe,
+        t = StreamTiming(arrival_ns=0, observe_ttft=bound.observe_ttft,
                          observe_itl=bound.observe_itl, observe_itl_many=bound.observe_itl_many,
                          exemplar={"request_id": "r1"})
         t.completion_tokens, t.prompt_tokens = 1, 7

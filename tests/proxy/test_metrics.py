@@ -73,25 +73,51 @@ def test_in_flight_gauge_counts_open_streams(proxy: Proxy) -> None:
 
 
 def test_fast_observe_leaves_what_observe_leaves() -> None:
-    """The ITL's per-token observation (fast_observe) against prometheus_client's own, on every
-    bucket edge, between edges, past the last, with and without exemplars."""
+    """Every histogram the relay observes through fast_observe, against prometheus_client's
+    own `observe`, on every bucket edge, between edges, past the last, with and without
+    exemplars (labels and value)."""
     metrics = [ProxyMetrics(CollectorRegistry(), slo_ttft_s=0.5, slo_itl_s=0.0125)
                for _ in range(2)]
-    bounds = metrics[0].itl_buckets
-    values = [0.0, *bounds, *(b * 0.999 for b in bounds), *(b * 1.001 for b in bounds), 1e6,
-              float("inf")]
-    slow = metrics[0].itl.labels("m", "completions")
-    fast = metrics[1].bind("m", "completions").observe_itl
-    for i, value in enumerate(values):
-        exemplar = {"request_id": f"r{i}"} if i % 7 == 0 else None
-        slow.observe(value, exemplar)
-        fast(value, exemplar)
+    slow_m, fast_m = metrics
+    bound, ended = fast_m.bind("m", "completions"), fast_m.ended("m", "completions", "ok")
+    pairs: list[tuple[Any, Any, Any]] = [
+        (slow_m.ttft.labels("m", "completions"), bound.observe_ttft, "ttft"),
+        (slow_m.itl.labels("m", "completions"), bound.observe_itl, "itl"),
+        (slow_m.tpot.labels("m", "completions"), bound.observe_tpot, "tpot"),
+        (slow_m.prompt_tokens.labels("m", "completions"), bound.observe_prompt_tokens,
+         "prompt_tokens"),
+        (slow_m.output_tokens.labels("m", "completions"), bound.observe_output_tokens,
+         "output_tokens"),
+        (slow_m.e2e.labels("m", "completions", "ok"), ended.observe_e2e, "e2e"),
+        (slow_m.proxy_queue, fast_m.observe_proxy_queue, "proxy_queue"),
+    ]
+    for slow, fast, name in pairs:
+        bounds = [float(b) for b in slow._upper_bounds]
+        values = [0.0, *bounds, *(b * 0.999 for b in bounds), *(b * 1.001 for b in bounds),
+                  1e6, float("inf")]
+        for i, value in enumerate(values):
+            exemplar = {"request_id": f"r{i}"} if i % 7 == 0 else None
+            slow.observe(value, exemplar)
+            fast(value, exemplar)
 
-    def exposed(m: ProxyMetrics) -> list[tuple[str, dict[str, str], float, Any]]:
-        return [(s.name, s.labels, s.value, s.exemplar and s.exemplar.labels)
-                for family in m.itl.collect() for s in family.samples
-                if not s.name.endswith("_created")]
+        def exposed(m: ProxyMetrics, name: str = name) -> list[tuple[Any, ...]]:
+            return [(s.name, s.labels, s.value, s.exemplar and s.exemplar.labels,
+                     s.exemplar and s.exemplar.value)
+                    for family in getattr(m, name).collect() for s in family.samples
+                    if not s.name.endswith("_created")]
 
-    assert exposed(metrics[1]) == exposed(metrics[0])
-    assert any(value == len(values) for name, _, value, _ in exposed(metrics[1])
-               if name.endswith("_count"))
+        assert exposed(fast_m) == exposed(slow_m), name
+        assert any(value == len(values) for s_name, _, value, _, _ in exposed(fast_m)
+                   if s_name.endswith("_count")), name
+        assert any(s[3] for s in exposed(fast_m)), name  # exemplars were set
+
+
+def test_a_request_ending_is_counted_once_in_its_own_series() -> None:
+    metrics = ProxyMetrics(CollectorRegistry(), slo_ttft_s=0.5, slo_itl_s=0.0125)
+    assert metrics.ended("m", "completions", "ok") is metrics.ended("m", "completions", "ok")
+    metrics.ended("m", "completions", "ok").count_request()
+    metrics.ended("m", "completions", "cancelled").count_request()
+    metrics.ended("m", "completions", "ok").count_request()
+    counts = {s.labels["outcome"]: s.value for family in metrics.requests.collect()
+              for s in family.samples if s.name.endswith("_total")}
+    assert counts == {"ok": 2.0, "cancelled": 1.0}
