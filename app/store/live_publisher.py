@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -26,9 +26,9 @@ from phasewatch.store.live_snapshots import drop_snapshot, put_snapshot
 
 log = logging.getLogger(__name__)
 
-# The relay's live registry's `LiveStreams.snapshot` (app/proxy/live.py), or any callable
-# giving the requests in flight now (tests pass their own).
-LiveSource = Callable[[], list[InFlight]]
+# The relay's live registry's `LiveStreams.snapshot` (app/proxy/live.py), or any coroutine
+# function giving the requests in flight now (tests pass their own).
+LiveSource = Callable[[], Awaitable[list[InFlight]]]
 
 
 def process_id() -> str:
@@ -51,9 +51,9 @@ class LivePublisher:
         self.failures = 0
         self._failing = False
 
-    def take(self) -> list[InFlight]:
+    async def take(self) -> list[InFlight]:
         """The source's snapshot, bounded: the `max_requests` oldest requests."""
-        requests = self.source()
+        requests = await self.source()
         if len(requests) > self.max_requests:
             requests = sorted(requests, key=lambda r: r.age_s, reverse=True)[
                 : self.max_requests]
@@ -62,7 +62,7 @@ class LivePublisher:
     async def publish(self) -> bool:
         """One publication; False (logged, counted) when the source or database failed."""
         try:
-            requests = self.take()
+            requests = await self.take()
             at = datetime.now(UTC)  # wall clock, as the requests' started_at
             async with self.sessionmaker() as session:
                 await put_snapshot(session, self.process, at, requests,

@@ -7,6 +7,7 @@ A real proxy under uvicorn in front of the scripted upstream; every wait is on a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ import httpx
 import orjson
 
 from phasewatch.core.live import InFlight
-from phasewatch.proxy.live import LiveStreams, LiveView, live_counts
+from phasewatch.proxy.live import SLICE, LiveStreams, LiveView, live_counts
 from tests.conftest import Proxy
 from tests.support.served import wait_for
 
@@ -40,7 +41,8 @@ def stream_in_thread(proxy: Proxy, script: dict[str, Any]) -> threading.Thread:
 def on_loop(proxy: Proxy, fn: Callable[[], Any]) -> Any:
     """Run `fn` on the proxy's event loop (the live registry is not thread-safe)."""
     async def call() -> Any:
-        return fn()
+        result = fn()
+        return await result if inspect.isawaitable(result) else result
     assert proxy.server.loop is not None
     return asyncio.run_coroutine_threadsafe(call(), proxy.server.loop).result(5)
 
@@ -156,7 +158,7 @@ def test_registry_times_out_silent_exchanges_and_bounds_the_snapshot() -> None:
         registry.watch(exchange)
     assert registry.check(25 * NS) == 1 and silent.timed_out  # silent for 24 s > 10 s
     assert not any(e.timed_out for e in (*fresh, plain))
-    snapshot = registry.snapshot(25 * NS)
+    snapshot = asyncio.run(registry.snapshot(25 * NS))
     assert [s.age_s for s in snapshot] == [5.0, 4.0]  # the two oldest waiting, not a third
 
 
@@ -169,3 +171,34 @@ def test_registry_ends_an_exchange_whose_client_stopped_reading() -> None:
     assert registry.check(65 * NS) == 0  # 55 s: within the client stall timeout
     assert registry.check(71 * NS) == 1
     assert blocked.ended == "client stalled" and reading.ended == "" and len(registry) == 1
+
+
+def test_a_pass_and_a_snapshot_give_the_event_loop_its_turn_between_slices() -> None:
+    """With more open streams than a slice, the per-stream work of a pass (the native leg's
+    replay) and of a snapshot is interleaved with the loop's other work, and still covers
+    every stream once, in the snapshot's order."""
+    async def main() -> None:
+        registry = LiveStreams(idle_s=600.0, stall_s=5.0, snapshot_limit=10 * SLICE)
+        exchanges = [FakeExchange("a", i * NS, None, last_read_ns=i * NS)
+                     for i in range(2 * SLICE + 1)]
+        for exchange in exchanges:
+            registry.watch(exchange)
+        seen: list[int] = []  # streams refreshed, each time another task ran meanwhile
+
+        async def other() -> None:
+            while True:
+                seen.append(sum(e.refreshed for e in exchanges))
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        await registry.refresh()
+        assert [e.refreshed for e in exchanges] == [1] * len(exchanges)
+        assert SLICE in seen and 2 * SLICE in seen
+        runs = len(seen)
+        snapshot = await registry.snapshot(1000 * NS)
+        assert len(seen) - runs >= 2  # it ran twice while the three slices were taken
+        task.cancel()
+        assert [s.age_s for s in snapshot] == [1000.0 - i for i in range(len(exchanges))]
+
+    asyncio.run(main())

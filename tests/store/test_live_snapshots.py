@@ -58,7 +58,7 @@ async def test_the_publisher_is_bounded_survives_faults_and_withdraws(sqlite_url
     calls: list[int] = []
     published = asyncio.Event()
 
-    def source() -> list[InFlight]:
+    async def source() -> list[InFlight]:
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("registry broke")
