@@ -115,7 +115,7 @@ class Timed(PassThrough):
             in_flight_at_arrival=0)
         timing = StreamTiming(time.perf_counter_ns())
         bound = metrics.bind("m", "completions")
-        timing.observe_ttft, timing.observe_itl = bound.ttft.observe, bound.observe_itl
+        timing.observe_ttft, timing.observe_itl = bound.observe_ttft, bound.observe_itl
         timing.exemplar = request_exemplar(record.request_id, None)
         self.feed = StreamFeed(plan_request(body, True), record, timing)
 
