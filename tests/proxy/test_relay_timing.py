@@ -61,6 +61,23 @@ def proxy_upstream(proxy: Proxy) -> str:
     return str(proxy.server.app.state.proxy.upstream)
 
 
+def undisturbed(sent: float, reads: list[tuple[float, bytes]], log: dict[str, Any],
+                first: int, texts: list[str]) -> bool:
+    """The machine let this exchange through on time, as the client saw it: the request
+    reached the upstream within the leg tolerance (less a gap's) of the client's send, and
+    each token reached the client within the gap tolerance of the upstream's write. The
+    proxy stamps each read between those two moments, so then its TTFT and gaps are within
+    the tolerances whatever else runs; a proxy that is late on its own still fails."""
+    if log["arrived_ns"] / 1e9 - sent > LEG_TOLERANCE_S - GAP_TOLERANCE_S:
+        return False
+    for text, written_ns in zip(texts, log["sent_ns"][first:], strict=False):
+        marker = orjson.dumps(text)
+        seen = next((at for at, data in reads if marker in data), None)
+        if seen is None or seen - written_ns / 1e9 > GAP_TOLERANCE_S:
+            return False
+    return True
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_ttft_and_itl_match_the_scripted_times(proxy: Proxy, scripted_url: str, path: str) -> None:
     script = {
@@ -68,10 +85,20 @@ def test_ttft_and_itl_match_the_scripted_times(proxy: Proxy, scripted_url: str, 
         "tokens": [[0.15, "Hello", 1], [0.17, " there", 1], [0.22, " my", 1],
                    [0.23, " friend", 1], [0.33, "!", 1]],
     }
-    request_id, _, _ = stream(proxy, path, script)
-    record = proxy.next_record()
-    log = upstream_log(scripted_url, request_id)
     first = 1 if "chat" in path else 0  # the role-only chunk is not the first token
+    # On this shared 2-core machine a neighbour can hold any process for tens of ms: an
+    # exchange the client saw delayed is run again (at most 5 times), since no tolerance
+    # could tell that delay from the proxy's own.
+    ttfts: list[float | None] = []  # of every attempt
+    for _ in range(5):
+        request_id, sent, reads = stream(proxy, path, script)
+        record = proxy.next_record()
+        ttfts.append(record.ttft_s)
+        log = upstream_log(scripted_url, request_id)
+        if undisturbed(sent, reads, log, first, [t[1] for t in script["tokens"]]):
+            break
+    else:
+        pytest.fail("every attempt reached the client late: too loaded to check to 3 ms")
     token_writes = [ns / 1e9 for ns in log["sent_ns"][first:first + 5]]
 
     assert record.outcome == "ok" and record.stream and record.model == "scripted"
@@ -83,10 +110,11 @@ def test_ttft_and_itl_match_the_scripted_times(proxy: Proxy, scripted_url: str, 
     assert record.itl_p50_s == pytest.approx(gaps[1], abs=GAP_TOLERANCE_S)
     assert record.itl_mean_s == pytest.approx(sum(gaps) / 4, abs=GAP_TOLERANCE_S)
     assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 4)
-    # The same figures reached Prometheus, one ITL observation per token gap.
+    # The same figures reached Prometheus, one ITL observation per token gap (every attempt).
     labels = {"model": "scripted", "endpoint": record.endpoint}
-    assert proxy.sample("phasewatch_inter_token_latency_seconds_count", labels) == 4
-    assert proxy.sample("phasewatch_time_to_first_token_seconds_sum", labels) == record.ttft_s
+    assert proxy.sample("phasewatch_inter_token_latency_seconds_count", labels) == 4 * len(ttfts)
+    assert proxy.sample("phasewatch_time_to_first_token_seconds_sum", labels) == pytest.approx(
+        sum(t for t in ttfts if t is not None), abs=1e-9)
 
 
 def test_proxy_figures_agree_with_what_the_client_saw(proxy: Proxy) -> None:

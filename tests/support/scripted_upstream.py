@@ -2,10 +2,10 @@
 
 The request's `x-script` header (JSON) says what to send and when, relative to the moment the
 request arrived; chunks follow vLLM 0.32's shapes (set fields only: no `usage` key unless
-continuous usage) and honour `stream_options` as vLLM does. Each
-request's log (what arrived, the CLOCK_MONOTONIC ns at which each chunk was written, whether the
-client went away) is served at `GET /_log/{x-request-id}`. Run it as
-`python -m uvicorn tests.support.scripted_upstream:app --port N`.
+continuous usage) and honour `stream_options` as vLLM does. Each request's log (what
+arrived, the CLOCK_MONOTONIC ns just before each chunk was written, so never after a reader
+could have it, whether the client went away) is served at `GET /_log/{x-request-id}`. Run it
+as `python -m uvicorn tests.support.scripted_upstream:app --port N`.
 
 Script keys: `tokens` [[t_s, text, n_tokens], ...]; `role` (chat role chunk first, default
 true); `role_at` (s); `prompt_tokens`; `status` and `delay` (an error status, sent after
@@ -143,8 +143,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
                    "usage": usage}
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})
+        writing = time.monotonic_ns()
         await send({"type": "http.response.body", "body": orjson.dumps(obj)})
-        log["sent_ns"].append(time.monotonic_ns())
+        log["sent_ns"].append(writing)
         return
 
     options = req.get("stream_options") or {}
@@ -160,8 +161,9 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             await send({"type": "http.response.body", "body": data[:cut], "more_body": True})
             await asyncio.sleep(0.005)
             data = data[cut:]
+        writing = time.monotonic_ns()
         await send({"type": "http.response.body", "body": data, "more_body": True})
-        log["sent_ns"].append(time.monotonic_ns())
+        log["sent_ns"].append(writing)
 
     def usage_for(done_tokens: int) -> dict[str, int]:
         return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + done_tokens,
