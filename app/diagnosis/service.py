@@ -192,8 +192,11 @@ class DiagnosisService:
                              "seconds": reference.span_s}
             engine, engine_up = (None, None) if self.engine_url is None else (
                 await read_engine(session, self.engine_url, since, until, model))
+            # For the present, a snapshot published while this ran (after `until`) is the
+            # freshest there is: it replaced the one before it.
             fresh = await read_fresh(session, until - timedelta(
-                seconds=self.settings.diagnosis_live_max_age_s), until) if live else []
+                seconds=self.settings.diagnosis_live_max_age_s),
+                max(until, datetime.now(UTC))) if live else []
         rules = self.rules if min_samples is None else replace(self.rules,
                                                                 min_samples=min_samples)
         in_flight = [r for snapshot in fresh for r in snapshot.requests if r.model == model]

@@ -13,6 +13,8 @@ from sqlalchemy import func, select
 
 from phasewatch.core.db import create_engine, create_sessionmaker
 from phasewatch.core.live import InFlight
+from phasewatch.core.settings import load_settings
+from phasewatch.diagnosis.service import DiagnosisService, PreviousSpan
 from phasewatch.store.live_publisher import LivePublisher
 from phasewatch.store.live_snapshots import put_snapshot, read_fresh
 from phasewatch.store.migrate import upgrade
@@ -126,3 +128,25 @@ def test_every_process_serves_the_published_live_state(
     past = httpx.get(proxy.url + "/api/diagnosis", timeout=30, params={
         "model": "m", "until": z(now), "window": "1m", "baseline": "20m"}).json()
     assert past["live"]["requests"] == 0 and past["verdict"] == "healthy"
+
+
+async def test_a_snapshot_published_while_the_present_is_diagnosed_counts(
+        sqlite_url: str) -> None:
+    """A diagnosis of the present fixes its `until` first; a process that republishes while
+    the diagnosis reads (its new row replacing the old) is still in flight evidence."""
+    await asyncio.to_thread(upgrade, sqlite_url)
+    engine = create_engine(sqlite_url)
+    service = DiagnosisService(create_sessionmaker(engine), load_settings(
+        database_url=sqlite_url, engine_metrics_enabled=False))
+    until = datetime.now(UTC) - timedelta(seconds=1)  # a diagnosis that took a second so far
+    try:
+        async with service.sessionmaker() as session:
+            await put_snapshot(session, "p1", until + timedelta(milliseconds=500),
+                               [waiting(3.0)], stale_before=until - timedelta(minutes=1))
+        window = timedelta(seconds=60)
+        present = await service.diagnose("m", until, window, PreviousSpan(300))
+        assert present["live"]["snapshots"] == 1 and present["live"]["requests"] == 1
+        past = await service.diagnose("m", until, window, PreviousSpan(300), live=False)
+        assert past["live"]["snapshots"] == 0
+    finally:
+        await engine.dispose()
