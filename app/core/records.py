@@ -71,6 +71,8 @@ class RecordQueue:
         self._on_depth = on_depth
         self._held = 0  # taken by the writer, not yet stored
         self.dropped = 0
+        # `fill`'s waiter: resolved by `offer` once that many records are queued.
+        self._filling: tuple[int, asyncio.Future[None]] | None = None
 
     @property
     def depth(self) -> int:
@@ -87,7 +89,26 @@ class RecordQueue:
             return False
         if self._on_depth is not None:
             self._on_depth(self.depth)
+        filling = self._filling
+        if filling is not None and self._queue.qsize() >= filling[0] \
+                and not filling[1].done():
+            filling[1].set_result(None)
         return True
+
+    async def fill(self, size: int, timeout_s: float) -> None:
+        """Wait until `size` records are queued or `timeout_s` has passed, whichever is first:
+        one wake-up per batch, not one per record."""
+        if self._queue.qsize() >= size or timeout_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(timeout_s, _resolve, waiter)
+        self._filling = (size, waiter)
+        try:
+            await waiter
+        finally:
+            self._filling = None
+            timer.cancel()
 
     def release(self, stored: int) -> None:
         """The writer is done with `stored` records it took (stored, or refused for good)."""
@@ -107,3 +128,8 @@ class RecordQueue:
 
     def qsize(self) -> int:
         return self._queue.qsize()
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -117,21 +117,15 @@ class RecordWriter:
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _collect(self) -> None:
-        """Wait for one record, then take whatever else arrives within the flush interval."""
-        self._batch.append(await self._queue.get())
-        deadline = time.monotonic() + self._flush_interval_s
-        while len(self._batch) < self._batch_size:
+        """Wait for one record, then take whatever else arrives within the flush interval (or
+        until the batch is full)."""
+        batch, queue = self._batch, self._queue
+        batch.append(await queue.get())
+        await queue.fill(self._batch_size - len(batch), self._flush_interval_s)
+        while len(batch) < self._batch_size:
             try:
-                self._batch.append(self._queue.get_nowait())
-                continue
+                batch.append(queue.get_nowait())
             except asyncio.QueueEmpty:
-                pass
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                self._batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except TimeoutError:
                 break
 
     async def _write(self) -> bool:
