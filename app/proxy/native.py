@@ -16,6 +16,11 @@ at most a second apart), so the ITL histogram receives a native stream's samples
 pass late, each with its own time; the idle and client-stall timeouts read the thread's last
 read and blocked-since times on the same pass.
 
+A terminal chunk that the Python path would hold for the usage chunk's fingerprint
+(stream.py) is held by the thread as well, until a whole chunk follows it: the stream then
+comes back once, with the held chunk's read time apart (`held`, `held_ns`), and Python ends it
+from there.
+
 Used under phasewatch's own server (the client leg), on plain TCP on both sides (TLS stays in
 Python), on Linux where the extension is built; `PHASEWATCH_NATIVE_RELAY=false` turns it off.
 """
@@ -52,6 +57,8 @@ class Stream(Protocol):
     errno: int
     leftover_ns: int
     leftover: bytes | None
+    held: int
+    held_ns: int
     unsent: bytes
 
     def poll(self) -> tuple[bytes, int, int]: ...
@@ -73,14 +80,17 @@ class NativeRelay:
         self._open = True
         loop.add_reader(self._relay.fileno(), self._returned)
 
-    def start(self, up_fd: int, client_fd: int, strip_usage: bool, owner: Owner,
-              ) -> Stream | None:
-        """Hand a stream to the thread, given its two sockets' descriptors (`plain_fd`); None
-        when the thread could not take it, and the stream stays in Python."""
+    def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
+              owner: Owner) -> Stream | None:
+        """Hand a stream to the thread, given its two sockets' descriptors (`plain_fd`): cut
+        running usage (`strip_usage`), hold a terminal chunk (`hold_terminal`, as
+        `StreamFeed` does when the closing usage chunk is cut). None when the thread could not
+        take it, and the stream stays in Python."""
         if not self._open:
             return None
         try:
-            stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, owner)
+            stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal,
+                                               owner)
         except (OSError, RuntimeError):
             log.warning("the native relay could not take a stream; it stays in Python",
                         exc_info=True)

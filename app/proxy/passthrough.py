@@ -6,7 +6,7 @@ the answer comes back unchanged and unbuffered.
 
 from __future__ import annotations
 
-import uuid
+import os
 
 import aiohttp
 from yarl import URL
@@ -31,7 +31,7 @@ from phasewatch.proxy.context import ProxyContext
 
 async def pass_through(ctx: ProxyContext, scope: Scope, receive: Receive, send: Send) -> None:
     """Relay any request to the same path on the upstream."""
-    request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or uuid.uuid4().hex
+    request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or os.urandom(16).hex()
     try:
         body = await read_body(receive, scope, ctx.settings.max_body_bytes)
     except ClientGone:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import uuid
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from enum import Enum
@@ -104,7 +103,7 @@ async def relay(
     leg = client_leg(scope)
     arrival_ns = leg.arrival_ns if leg is not None else perf_counter_ns()
     timing = StreamTiming(arrival_ns)
-    request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or uuid.uuid4().hex
+    request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or os.urandom(16).hex()
     # Filing a request under a benchmark run changes that run's figures: only an admin may.
     run_id = header(scope, RUN_ID) if ctx.admin.allows(scope["headers"], bearer=False) else None
     record = RequestRecord(
@@ -157,8 +156,8 @@ class Exchange:
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
                  "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
                  "_pending_size", "_plan", "_record", "_responded", "_scope", "_status", "_task",
-                 "_timing", "_trace", "_wake", "client_blocked_ns", "label", "last_read_ns",
-                 "phase")
+                 "_timing", "_trace", "_unwritten", "_wake", "client_blocked_ns", "label",
+                 "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
                  record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None,
@@ -187,6 +186,7 @@ class Exchange:
         self._pending: list[bytes] = []  # output the client has not been sent yet
         self._pending_size = 0
         self._direct = False  # output goes straight onto the client's transport
+        self._unwritten: list[bytes] = []  # (direct) this read's output, written as it ends
         self._blocked_in_send = False  # (other servers) waiting in an ASGI send
         self._responded = False  # the upstream sent a byte of its response
         self._end_ns = 0
@@ -310,11 +310,7 @@ class Exchange:
         if not out:
             return
         if self._direct:
-            assert self._leg is not None
-            self._leg.write_chunk(out)
-            if (not self._native_tried and self._timing.counting is Counting.EXACT
-                    and feed.between_events and self._conn is not None):
-                self._conn.handoff = self._go_native
+            self._unwritten.append(out)
             return
         self._pending.append(out)
         self._pending_size += len(out)
@@ -324,9 +320,29 @@ class Exchange:
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    def on_read_end(self) -> None:
+        """The read is parsed: what it produced goes out in one write, and then the native leg
+        may take the stream."""
+        out = self._unwritten
+        if not out:
+            return
+        self._unwritten = []
+        assert self._leg is not None
+        self._leg.write_chunks(out)
+        self._offer_native()
+
+    def _offer_native(self) -> None:
+        """Hand the stream to the native leg if it counts exactly, nothing is held or half-read,
+        and the upstream's parser stands between chunks."""
+        feed, conn = self._feed, self._conn
+        if (not self._native_tried and self._timing.counting is Counting.EXACT
+                and feed is not None and feed.between_events and conn is not None
+                and conn.between_chunks()):
+            self._go_native()
+
     def _go_native(self) -> None:
-        """The upstream's parser is between chunks (upstream_pool.py): hand the stream to the
-        native leg if nothing is waiting to be written to the client."""
+        """Hand the stream to the native leg if nothing is waiting to be written to the
+        client."""
         leg, conn, native = self._leg, self._conn, self._ctx.native
         if (self.phase is not Phase.STREAMING or leg is None or leg.paused or conn is None
                 or conn.transport is None or native is None or self._native is not None):
@@ -338,7 +354,9 @@ class Exchange:
         if client is None or client.get_write_buffer_size():
             return
         conn.pause_reading()
-        stream = native.start(conn.plain_fd, leg.plain_fd, self._plan.strip_chunk_usage, self)
+        plan = self._plan
+        stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
+                              plan.strip_final_usage, self)
         if stream is None:
             self._native_tried = True
             conn.resume_reading()
@@ -369,7 +387,12 @@ class Exchange:
                     conn.resume_reading()
                 leftover = stream.leftover
                 if leftover:
-                    conn.take(leftover, stream.leftover_ns)
+                    held = stream.held  # a terminal chunk held, read before the rest
+                    if held:
+                        conn.take(leftover[:held], stream.held_ns)
+                        leftover = leftover[held:]
+                    if leftover:
+                        conn.take(leftover, stream.leftover_ns)
         self._wake_up()
 
     def on_end(self, now_ns: int) -> None:
@@ -563,6 +586,9 @@ class Exchange:
                     elif paused:
                         self._conn.resume_reading()
                 self._direct = True
+                # The reads so far may have ended with a whole token chunk (vLLM's first token
+                # comes with its head): then the native leg takes the stream from the next.
+                self._offer_native()
                 while self.phase is Phase.STREAMING:
                     await self._next()
                 while self._native is not None:  # an ending came while the native leg had it

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from enum import Enum
 from time import perf_counter_ns
 from typing import Protocol
@@ -38,6 +38,7 @@ class UpstreamHandler(Protocol):
     def on_body(self, data: bytes, now_ns: int) -> None: ...
     def on_end(self, now_ns: int) -> None: ...
     def on_lost(self, reason: str, responded: bool) -> None: ...
+    def on_read_end(self) -> None: ...
 
 
 class ConnState(Enum):
@@ -48,8 +49,8 @@ class ConnState(Enum):
 
 
 class UpstreamConnection(asyncio.Protocol):
-    __slots__ = ("_body_until_close", "_handler", "_headers", "_parser", "_piece", "_pieces",
-                 "_pool", "_read_ns", "_responded", "handoff", "idle_since", "keep_alive",
+    __slots__ = ("_body_until_close", "_handler", "_headers", "_last_piece", "_last_read",
+                 "_parser", "_pool", "_read_ns", "_responded", "idle_since", "keep_alive",
                  "plain_fd", "reused", "state", "transport")
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -58,11 +59,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._handler: UpstreamHandler | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._read_ns = 0
-        self._pieces = 0  # body pieces in the current read
-        self._piece = 0  # the length of the last one
-        # Set by the exchange from its `on_body` to be called once this read is parsed, when
-        # the read was exactly one whole chunk: the parser is then between chunks (native.py).
-        self.handoff: Callable[[], None] | None = None
+        # The last read, and the last body piece parsed from it: where the parser stands.
+        self._last_read = b""
+        self._last_piece: bytes | None = None
         self._responded = False  # a byte of the current response has arrived
         self._body_until_close = False
         self.transport: asyncio.Transport | None = None
@@ -79,7 +78,7 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None and self.state is not ConnState.CLOSED
         self._handler = handler
         self._headers = []
-        self.handoff = None
+        self._last_read, self._last_piece = b"", None
         self._responded = False
         self._body_until_close = False
         self.keep_alive = False
@@ -96,7 +95,6 @@ class UpstreamConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self._handler = None
-        self.handoff = None
         if self.state is not ConnState.CLOSED:
             self.state = ConnState.CLOSED
             if self.transport is not None:
@@ -109,6 +107,18 @@ class UpstreamConnection(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.transport is not None and self.state is ConnState.BUSY:
             self.transport.resume_reading()
+
+    def between_chunks(self) -> bool:
+        """The last read ended exactly where a chunk of the body ends, and that chunk's data
+        ends an SSE event (`\n\n`): the parser holds nothing, and the next byte starts a
+        chunk's size line (so the native leg may read from there, native.py).
+
+        Sound without the parser's help: a read that ended inside a chunk ends with the piece
+        parsed from it, so it ends with `\n\n`, and cannot also end with that piece's
+        framing, which ends with CRLF."""
+        piece = self._last_piece
+        return (piece is not None and piece.endswith(b"\n\n")
+                and self._last_read.endswith(b"%x\r\n%b\r\n" % (len(piece), piece)))
 
     def take(self, data: bytes, now_ns: int) -> None:
         """Parse bytes the native relay read at `now_ns` and did not take, as a read."""
@@ -134,7 +144,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _read(self, data: bytes, now_ns: int) -> None:
         self._read_ns = now_ns
         self._responded = True
-        self._pieces = 0
+        self._last_read, self._last_piece = data, None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -143,13 +153,9 @@ class UpstreamConnection(asyncio.Protocol):
             if handler is not None:
                 handler.on_lost(f"invalid HTTP response: {exc}", True)
             return
-        handoff = self.handoff
-        if handoff is not None:
-            self.handoff = None
-            piece = self._piece
-            # One piece, and the read is exactly its chunk: size line, data, CRLF.
-            if self._pieces == 1 and len(data) == piece + len(b"%x" % piece) + 4:
-                handoff()
+        handler = self._handler
+        if handler is not None:
+            handler.on_read_end()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: a half-closed upstream connection is of no use
@@ -190,8 +196,7 @@ class UpstreamConnection(asyncio.Protocol):
             handler.on_head(status, self._headers)
 
     def on_body(self, body: bytes) -> None:
-        self._pieces += 1
-        self._piece = len(body)
+        self._last_piece = body
         handler = self._handler
         if handler is not None:
             handler.on_body(body, self._read_ns)

@@ -61,10 +61,11 @@ def _tokens(first: int, last: int, pad: int = 1) -> list[bytes]:
 
 class RawUpstream:
     """An upstream that answers every request with the writes of `script` (bytes, each sent
-    on its own 2 ms after the last; None: close the connection there)."""
+    on its own 2 ms after the last; a float: a pause of that many seconds; None: close the
+    connection there)."""
 
     def __init__(self) -> None:
-        self.script: list[bytes | None] = []
+        self.script: list[bytes | float | None] = []
         self.closed_by_peer = threading.Event()  # a write failed: the proxy closed the stream
         self.blocked = threading.Event()  # a write did not fit the socket: back-pressure
         self._loop = asyncio.new_event_loop()
@@ -101,6 +102,9 @@ class RawUpstream:
                 await reader.readexactly(length)
                 writer.write(HEAD)
                 for data in self.script:
+                    if isinstance(data, float):
+                        await asyncio.sleep(data)
+                        continue
                     await asyncio.sleep(0.002)
                     if data is None:
                         writer.transport.abort()
@@ -185,6 +189,29 @@ def test_the_client_gets_the_same_bytes_and_the_record_the_same_figures(
     itl = "phasewatch_inter_token_latency_seconds_count"
     labels = {"model": "m", "endpoint": "chat.completions"}
     assert native.sample(itl, labels) == python.sample(itl, labels) == 89
+
+
+def test_a_held_terminal_chunk_keeps_its_own_read_time(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
+    # The last token comes in the terminal chunk; the usage chunk that releases it comes
+    # 0.3 s later. The thread holds the terminal chunk as Python does (the client did not ask
+    # for usage), and its token is timed at its own read, not at the usage chunk's.
+    terminal, usage, done, end = _ending(11)
+    terminal = _frame(_chunk("z", 11, finish="length"))
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 10), terminal, 0.3,
+                           usage, done, end]
+    native, python = two_proxies
+    got = _stream(native.url, ASK)
+    assert got == _stream(python.url, ASK)
+    assert b'"finish_reason":"length"}],"system_fingerprint":"fp_1"}' in got
+    mine, theirs = native.next_record(), python.next_record()
+    assert mine.outcome == theirs.outcome == "ok"
+    assert mine.output_tokens == theirs.output_tokens == 11
+    assert mine.itl_count == theirs.itl_count == 10
+    assert mine.itl_max_s is not None and theirs.itl_max_s is not None
+    assert mine.itl_max_s < 0.2 and theirs.itl_max_s < 0.2  # not the 0.3 s pause after it
+    assert mine.e2e_s is not None and mine.e2e_s >= 0.3  # [DONE] came after the pause
+    assert _native_streams(native) >= 1
 
 
 def test_an_upstream_that_breaks_off_mid_stream_is_reported_alike(
