@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -93,6 +95,17 @@ def _sample(span: RequestSpan, seconds: float, until: datetime,
     return Sample([to_observation(row) for row in span.rows],
                   traffic_span_s(seconds, first, until.timestamp(), span.total), span.total,
                   in_flight or [])
+
+
+def _run_sample(span: RequestSpan, seconds: float) -> Sample:
+    """A benchmark run's requests, over the run's own span."""
+    return Sample([to_observation(row) for row in span.rows], seconds, span.total)
+
+
+def _judge(current: Callable[[], Sample], reference: Callable[[], Sample],
+           engine: EngineWindow | None, rules: Rules) -> Finding:
+    """Build both samples and diagnose: run in a worker thread."""
+    return diagnose(current(), reference(), engine, rules)
 
 
 def _run_seconds(span: RequestSpan) -> float:
@@ -169,7 +182,7 @@ class DiagnosisService:
                 b_since = since - timedelta(seconds=baseline.seconds)
                 span = await read_observations(session, model=model, since=b_since,
                                                until=since, limit=limit)
-                reference = _sample(span, baseline.seconds, since)
+                reference = partial(_sample, span, baseline.seconds, since)
                 described: dict[str, Any] = {
                     "kind": "previous", "since": _iso(b_since), "until": _iso(since),
                     "seconds": baseline.seconds}
@@ -177,7 +190,7 @@ class DiagnosisService:
                 span = await read_observations(session, model=model, since=baseline.since,
                                                until=baseline.until, limit=limit)
                 seconds = (baseline.until - baseline.since).total_seconds()
-                reference = _sample(span, seconds, baseline.until)
+                reference = partial(_sample, span, seconds, baseline.until)
                 described = {"kind": "range", "since": _iso(baseline.since),
                              "until": _iso(baseline.until), "seconds": seconds}
             else:
@@ -185,11 +198,11 @@ class DiagnosisService:
                     raise UnknownRun(f"no stored request carries run id {baseline.run_id!r}")
                 span = await read_observations(session, model=model, run_id=baseline.run_id,
                                                limit=limit)
-                reference = Sample([to_observation(row) for row in span.rows],
-                                   _run_seconds(span), span.total)
+                run_s = _run_seconds(span)
+                reference = partial(_run_sample, span, run_s)
                 described = {"kind": "run", "run_id": baseline.run_id,
                              "since": _iso(span.first), "until": _iso(span.last),
-                             "seconds": reference.span_s}
+                             "seconds": run_s}
             engine, engine_up = (None, None) if self.engine_url is None else (
                 await read_engine(session, self.engine_url, since, until, model))
             # For the present, a snapshot published while this ran (after `until`) is the
@@ -200,9 +213,11 @@ class DiagnosisService:
         rules = self.rules if min_samples is None else replace(self.rules,
                                                                 min_samples=min_samples)
         in_flight = [r for snapshot in fresh for r in snapshot.requests if r.model == model]
+        # The samples are built off the event loop too: thousands of rows at once would hold
+        # every stream's chunks back for tens of milliseconds.
         finding: Finding = await asyncio.to_thread(
-            diagnose, _sample(current, window.total_seconds(), until, in_flight), reference,
-            engine, rules)
+            _judge, partial(_sample, current, window.total_seconds(), until, in_flight),
+            reference, engine, rules)
         return {
             "model": model,
             "window": {"since": _iso(since), "until": _iso(until),
