@@ -22,11 +22,17 @@ up: install
 lint: install
 	$(BIN)/ruff check app tests benchmarks grafana
 
+# The benchmark scripts that drive the relay's own classes, checked from their folder (as
+# `python benchmarks/X.py` imports its neighbours): a rename in app/ must reach them too.
+BENCH_TYPED = read_path.py proxy_ab.py proxy_overhead.py loadgen.py fast_upstream.py \
+	ttft_truth.py loadgen_capacity.py
+
 # mypy reads modules by path: build/typecheck/phasewatch is app/ under its import name.
 typecheck: install
 	mkdir -p build/typecheck && ln -sfn ../../app build/typecheck/phasewatch
 	$(BIN)/mypy
 	$(BIN)/mypy grafana/dashboards.py
+	cd benchmarks && MYPYPATH=../build/typecheck $(abspath $(BIN))/mypy --strict $(BENCH_TYPED)
 
 # The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.

@@ -858,7 +858,7 @@ def measure_capacity(args: argparse.Namespace, paths: Sequence[str],
         per_path: dict[str, list[Run]] = {path: [] for path in paths}
         for repeat in range(args.repeats):
             k = repeat % len(paths)
-            for path in paths[k:] + paths[:k]:
+            for path in [*paths[k:], *paths[:k]]:
                 run = one_run(args, path, targets[path], upstream, proxies, shape, repeat, tmp)
                 run.extra["capacity"] = rate
                 runs.append(run)

@@ -103,6 +103,9 @@ class PassThrough:
     def on_lost(self, reason: str, responded: bool) -> None:
         pass
 
+    def on_read_end(self) -> None:
+        pass
+
 
 class Timed(PassThrough):
     """Upstream handler: the relay's streaming branch (`Exchange.on_body`): feed, then frame."""
