@@ -89,24 +89,16 @@ class ClientLeg:
 
     def write_chunk(self, data: bytes) -> None:
         """Write one HTTP/1.1 chunk of the response body that ASGI started (chunked)."""
-        cycle = self._cycle
-        if cycle is None or cycle.disconnected or cycle.response_complete:
-            return
-        transport = cycle.transport
-        if not transport.is_closing():  # closed, and its connection_lost not yet called
+        transport = self.transport
+        if transport is not None:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def write_chunks(self, pieces: list[bytes]) -> None:
         """Write each piece as one HTTP/1.1 chunk, all in one write."""
-        if len(pieces) == 1:
-            self.write_chunk(pieces[0])
-            return
-        cycle = self._cycle
-        if cycle is None or cycle.disconnected or cycle.response_complete:
-            return
-        transport = cycle.transport
-        if not transport.is_closing():
-            transport.write(b"".join([b"%x\r\n%b\r\n" % (len(data), data) for data in pieces]))
+        transport = self.transport
+        if transport is not None:
+            transport.write(b"%x\r\n%b\r\n" % (len(pieces[0]), pieces[0]) if len(pieces) == 1
+                            else b"".join([b"%x\r\n%b\r\n" % (len(p), p) for p in pieces]))
 
 
 # The answer to a connection over the limit, written as soon as it is accepted.

@@ -117,7 +117,7 @@ class UpstreamConnection(asyncio.Protocol):
         parsed from it, so it ends with `\n\n`, and cannot also end with that piece's
         framing, which ends with CRLF."""
         piece = self._last_piece
-        return (piece is not None and piece.endswith(b"\n\n")
+        return (self.state is ConnState.BUSY and piece is not None and piece.endswith(b"\n\n")
                 and self._last_read.endswith(b"%x\r\n%b\r\n" % (len(piece), piece)))
 
     def take(self, data: bytes, now_ns: int) -> None:
@@ -151,6 +151,7 @@ class UpstreamConnection(asyncio.Protocol):
             handler = self._handler
             self.close()
             if handler is not None:
+                handler.on_read_end()  # what the read held before the fault still goes out
                 handler.on_lost(f"invalid HTTP response: {exc}", True)
             return
         handler = self._handler

@@ -228,6 +228,22 @@ def test_an_upstream_that_breaks_off_mid_stream_is_reported_alike(
     assert _native_streams(native) >= 1
 
 
+def test_what_a_read_held_before_invalid_framing_still_reaches_the_client(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
+    # One write: a whole token chunk, then a chunk size line that is not one. Each read's
+    # output goes out when the read is parsed; the parser's fault must not swallow what the
+    # read held before it.
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5),
+                           _frame(_chunk("t6", 6)) + b"zz\r\n"]
+    native, python = two_proxies
+    for proxy in (native, python):
+        got = _stream(proxy.url, ASK)
+        assert b'"content":"t6"' in got
+        assert b"invalid HTTP response" in got and got.endswith(b"data: [DONE]\n\n")
+        record = proxy.next_record()
+        assert record.outcome == "stream_error" and record.output_tokens == 6
+
+
 def test_a_client_that_leaves_mid_stream_closes_the_upstream(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5000),
