@@ -97,8 +97,7 @@ class ClientLeg:
         """Write each piece as one HTTP/1.1 chunk, all in one write."""
         transport = self.transport
         if transport is not None:
-            transport.write(b"%x\r\n%b\r\n" % (len(pieces[0]), pieces[0]) if len(pieces) == 1
-                            else b"".join([b"%x\r\n%b\r\n" % (len(p), p) for p in pieces]))
+            transport.write(b"".join([b"%x\r\n%b\r\n" % (len(p), p) for p in pieces]))
 
 
 # The answer to a connection over the limit, written as soon as it is accepted.
