@@ -39,13 +39,17 @@ def test_streaming_completion_with_the_openai_client(client: OpenAI) -> None:
 
 def test_completion_chunks_have_vllms_shape_and_key_order(sim: RunningSim) -> None:
     events = raw_events(
-        sim, "/v1/completions", {"prompt": "a b c", "max_tokens": 2, "stream": True}
+        sim, "/v1/completions", {"prompt": "a b c", "max_tokens": 4, "stream": True}
     )
     assert events[-1] == b"[DONE]"
-    first, *_, last = (orjson.loads(e) for e in events[:-1])
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    first, last = chunks[0], chunks[-1]
     # vLLM 0.32's exclude_unset: no `"usage":null` (0.10 wrote it); the fingerprint only on the
-    # terminal chunk, and last.
-    assert list(first) == ["id", "object", "created", "model", "choices"]
+    # terminal chunk, and last. (On a loaded machine the simulator, like vLLM, may merge the
+    # tokens of a lagging reader into one chunk: then the first chunk is the terminal one.)
+    assert list(first)[:5] == ["id", "object", "created", "model", "choices"]
+    if len(chunks) > 1:
+        assert list(first) == ["id", "object", "created", "model", "choices"]
     assert first["object"] == "text_completion"
     assert list(first["choices"][0]) == [
         "index",
