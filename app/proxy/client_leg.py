@@ -9,11 +9,13 @@ as the ASGI scope extension `phasewatch.client_leg`:
   request waits inside the proxy is inside its TTFT and visible in the queueing histogram;
 - a disconnect callback, so the relay learns that its client left without a task per request
   waiting on ASGI's `receive` for it;
-- a direct writer for a streamed response's body: the relay writes each read from the upstream
-  onto the client's transport, framed as HTTP/1.1 chunks, from the upstream's read callback,
-  instead of one ASGI message (and task wake-up) per chunk. The writer tells the relay when
-  the client's socket buffer fills and drains, so the relay stops and resumes reading from
-  the upstream: back-pressure reaches the engine as it would through a plain TCP proxy.
+- a direct writer for a streamed response: the relay starts the response (its head, in the
+  same write as the first chunk) and writes each read from the upstream onto the client's
+  transport, framed as HTTP/1.1 chunks, from the upstream's read callback, instead of one ASGI
+  message (and task wake-up) per chunk. The cycle's state moves as uvicorn's own `send` moves
+  it, so keep-alive and pipelining stay uvicorn's. The writer tells the relay when the
+  client's socket buffer fills and drains, so the relay stops and resumes reading from the
+  upstream: back-pressure reaches the engine as it would through a plain TCP proxy.
 
 When uvicorn starts shutting down it calls `shutdown()` on every connection; this protocol
 passes that on to the app (its lifespan state offers a hook), so readiness fails and the grace
@@ -35,7 +37,12 @@ from time import perf_counter_ns
 from typing import Any
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from phasewatch.proxy.native import plain_fd
 
@@ -81,6 +88,44 @@ class ClientLeg:
         transport: asyncio.Transport = cycle.transport
         return None if transport.is_closing() else transport
 
+    @property
+    def response_started(self) -> bool:
+        cycle = self._cycle
+        return cycle is not None and cycle.response_started
+
+    @property
+    def response_complete(self) -> bool:
+        """The response's end has been written (`write_chunks(..., last=True)`)."""
+        cycle = self._cycle
+        return cycle is not None and cycle.response_complete
+
+    def begin_chunked(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """Start a chunked response without an ASGI message: the cycle's state moves as
+        uvicorn's `send` of `http.response.start` moves it (its access log line too), and the
+        head is returned, to go out in the same write as the first chunks. None when it cannot
+        start here (the client is gone, the response has started, a HEAD request): ASGI then
+        starts it. The headers are `client_response_headers`' (lower-case, no hop-by-hop);
+        their values come from parsed requests and responses, so they hold no CR or LF."""
+        cycle = self._cycle
+        if (cycle is None or cycle.disconnected or cycle.response_started
+                or cycle.scope["method"] == "HEAD"):
+            return None
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        cycle.chunked_encoding = True
+        if cycle.access_log:
+            cycle.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(cycle.scope),
+                                     cycle.scope["method"],
+                                     get_path_with_query_string(cycle.scope),
+                                     cycle.scope["http_version"], status)
+        head = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, *headers):
+            head += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"transfer-encoding: chunked\r\n\r\n")
+        return b"".join(head)
+
     def write_raw(self, data: bytes) -> None:
         """Write bytes of the body already framed as HTTP/1.1 chunks (by the native leg)."""
         transport = self.transport
@@ -93,11 +138,25 @@ class ClientLeg:
         if transport is not None:
             transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
-    def write_chunks(self, pieces: list[bytes]) -> None:
-        """Write each piece as one HTTP/1.1 chunk, all in one write."""
+    def write_chunks(self, pieces: list[bytes], head: bytes = b"", last: bool = False) -> None:
+        """Write each piece as one HTTP/1.1 chunk, all in one write: after `head` (the
+        response's head from `begin_chunked`) when it goes out with them, and with the body's
+        end when they are its `last` (the response is then complete, as uvicorn's `send` of the
+        last body message leaves it: keep-alive and pipelining go on from there)."""
         transport = self.transport
-        if transport is not None:
-            transport.write(b"".join([b"%x\r\n%b\r\n" % (len(p), p) for p in pieces]))
+        if transport is None:
+            return
+        data = head + b"".join([b"%x\r\n%b\r\n" % (len(p), p) for p in pieces])
+        cycle = self._cycle
+        if not last or cycle is None or not cycle.chunked_encoding:
+            transport.write(data)
+            return
+        transport.write(data + b"0\r\n\r\n")
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            transport.close()
+        cycle.on_response()
 
 
 # The answer to a connection over the limit, written as soon as it is accepted.

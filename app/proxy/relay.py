@@ -5,8 +5,9 @@ The request is read through ASGI and sent upstream on a pooled connection
 callbacks: each read is timed when it arrives (one `perf_counter_ns()`), classified event by
 event for timing (`stream.py`) and, under phasewatch's own server, written straight onto the
 client's transport (`client_leg.py`): no task wake-up and no ASGI message per chunk. The
-relay's coroutine wakes only for the response's head and its end. Under another ASGI server
-the same bytes go out as ASGI messages.
+response's head goes out from the read callback too, in the same write as the first token
+that came with it; the relay's coroutine wakes only for the request and the exchange's end.
+Under another ASGI server the same bytes go out as ASGI messages.
 
 How an exchange ends is one value, `Phase`, moved in one place (`_move`): the upstream ended
 its body, the upstream broke off, the client left, or the idle timeout found it silent. The
@@ -154,7 +155,7 @@ class Exchange:
     """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
-                 "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
+                 "_head", "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
                  "_pending_size", "_plan", "_record", "_responded", "_scope", "_status", "_task",
                  "_timing", "_trace", "_unwritten", "_wake", "client_blocked_ns", "label",
                  "last_read_ns", "phase")
@@ -187,6 +188,7 @@ class Exchange:
         self._pending_size = 0
         self._direct = False  # output goes straight onto the client's transport
         self._unwritten: list[bytes] = []  # (direct) this read's output, written as it ends
+        self._head = b""  # (direct) the response's head, written with this read's output
         self._blocked_in_send = False  # (other servers) waiting in an ASGI send
         self._responded = False  # the upstream sent a byte of its response
         self._end_ns = 0
@@ -199,7 +201,10 @@ class Exchange:
 
     def _move(self, to: Phase) -> None:
         self.phase = to
-        self._wake_up()
+        if to is not Phase.STREAMING or not self._direct:
+            # A stream started from the read callbacks (`_start_direct`) runs on them: the
+            # coroutine sleeps until its ending.
+            self._wake_up()
 
     def _wake_up(self) -> None:
         wake = self._wake
@@ -289,9 +294,28 @@ class Exchange:
                 timing.exemplar = request_exemplar(
                     self._record.request_id, trace.trace_id if trace is not None else None)
             self._feed = StreamFeed(self._plan, self._record, timing)
+            self._start_direct()
             self._move(Phase.STREAMING)
         else:
             self._move(Phase.READING)
+
+    def _start_direct(self) -> None:
+        """Under phasewatch's own server, start the client's response from this read callback:
+        its head goes out with this read's output (vLLM sends the first token with its head),
+        in one write, with no wake-up of the coroutine before it. Elsewhere, or if the client
+        leg cannot start it, the coroutine starts it over ASGI (`_stream`)."""
+        leg = self._leg
+        if leg is None or self.phase is not Phase.WAITING:
+            return
+        headers = client_response_headers(self._headers, self._record.request_id, None)
+        head = leg.begin_chunked(200, headers)
+        if head is None:
+            return
+        self._head = head
+        self._direct = True
+        leg.on_pause, leg.on_resume = self._client_blocked, self._client_reading
+        if leg.paused:
+            self.client_blocked_ns = perf_counter_ns()
 
     def on_body(self, data: bytes, now_ns: int) -> None:
         self.last_read_ns = now_ns
@@ -321,15 +345,20 @@ class Exchange:
             wake.set_result(None)
 
     def on_read_end(self) -> None:
-        """The read is parsed: what it produced goes out in one write, and then the native leg
-        may take the stream."""
-        out = self._unwritten
-        if not out:
+        """The read is parsed: what it produced goes out in one write (with the response's head
+        in the read that brought it), and then the native leg may take the stream."""
+        out, head, feed = self._unwritten, self._head, self._feed
+        # The body ended cleanly in this read: the response's end goes out with what it
+        # brought (if anything), and the coroutine has only the record left to finish.
+        last = (self._direct and self.phase is Phase.ENDED and feed is not None
+                and feed.ended_whole)
+        if not out and not head and not last:
             return
-        self._unwritten = []
+        self._unwritten, self._head = [], b""
         assert self._leg is not None
-        self._leg.write_chunks(out)
-        self._offer_native()
+        self._leg.write_chunks(out, head, last)
+        if not last:
+            self._offer_native()
 
     def _offer_native(self) -> None:
         """Hand the stream to the native leg if it counts exactly, nothing is held or half-read,
@@ -570,32 +599,34 @@ class Exchange:
         record, timing, feed, leg = self._record, self._timing, self._feed, self._leg
         assert feed is not None
         record.http_status = 200
-        headers = client_response_headers(self._headers, record.request_id, None)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if leg is None or not leg.response_started:  # else started from a read (_start_direct)
+            headers = client_response_headers(self._headers, record.request_id, None)
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
             if leg is not None and self.phase is not Phase.CLIENT_GONE:
-                # From here on, reads go straight to the client from the upstream's callback.
-                paused = self._pending_size > _PENDING_LIMIT
-                if self._pending:
-                    leg.write_chunk(b"".join(self._pending))
-                    self._pending, self._pending_size = [], 0
-                if self._conn is not None:
-                    leg.on_pause, leg.on_resume = self._client_blocked, self._client_reading
-                    if leg.paused:
-                        self.client_blocked_ns = perf_counter_ns()
-                    elif paused:
-                        self._conn.resume_reading()
-                self._direct = True
-                # The reads so far may have ended with a whole token chunk (vLLM's first token
-                # comes with its head): then the native leg takes the stream from the next.
-                self._offer_native()
+                if not self._direct:  # (else it was started from a read: `_start_direct`)
+                    # From here on, reads go straight to the client from the upstream's callback.
+                    paused = self._pending_size > _PENDING_LIMIT
+                    if self._pending:
+                        leg.write_chunk(b"".join(self._pending))
+                        self._pending, self._pending_size = [], 0
+                    if self._conn is not None:
+                        leg.on_pause, leg.on_resume = self._client_blocked, self._client_reading
+                        if leg.paused:
+                            self.client_blocked_ns = perf_counter_ns()
+                        elif paused:
+                            self._conn.resume_reading()
+                    self._direct = True
+                    # The reads so far may have ended with a whole token chunk: then the native
+                    # leg takes the stream from the next.
+                    self._offer_native()
                 while self.phase is Phase.STREAMING:
-                    await self._next()
-                while self._native is not None:  # an ending came while the native leg had it
-                    self._native.stop()
                     await self._next()
             else:
                 await self._stream_over_asgi(send)
+            while self._native is not None:  # an ending came while the native leg had it
+                self._native.stop()
+                await self._next()
         except asyncio.CancelledError:
             if self.phase not in _FORCED or self._task is None:
                 raise
@@ -647,6 +678,8 @@ class Exchange:
             # End a half-sent event first, so the error is an event of its own.
             tail = ((b"\n\n" if feed.unterminated else b"")
                     + b"data: " + error + b"\n\n" + _DONE_EVENT)
+        if leg is not None and leg.response_complete:
+            return  # ended with the last read (`on_read_end`): nothing held, nothing to add
         await send({"type": "http.response.body", "body": rest + tail, "more_body": False})
 
     def _client_blocked(self) -> None:

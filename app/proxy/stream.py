@@ -97,6 +97,11 @@ class StreamFeed:
         (so the native leg may take the stream from here, native.py)."""
         return not self._held and self._decoder.idle and not self.done
 
+    @property
+    def ended_whole(self) -> bool:
+        """`[DONE]` has come and nothing is held or half-read: `end()` would add nothing."""
+        return self.done and not self._held and self._decoder.idle
+
     def _token_chunk(self, data: bytes, now: int) -> bytes | None:
         """Time and forward one whole event that is a running chunk of an exactly counted
         stream, read from its bytes; None (nothing done) when it is not plainly one.

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httptools
 import httpx
 import orjson
 import pytest
@@ -282,3 +283,65 @@ def test_a_client_that_stops_reading_holds_the_upstream_back_and_loses_nothing(
     record = native.next_record()
     assert record.outcome == "ok" and record.output_tokens == 300
     assert _native_streams(native) >= 1
+
+
+class _Responses:
+    """The responses that come back on one client connection, in order (pipelined ones too),
+    each as (headers, body without its chunk framing)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers: dict[bytes, bytes] = {}
+        self._body: list[bytes] = []
+        self._done: list[tuple[dict[bytes, bytes], bytes]] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._done.append((self._headers, b"".join(self._body)))
+        self._headers, self._body = {}, []
+
+    def next(self) -> tuple[dict[bytes, bytes], bytes]:
+        while not self._done:
+            data = self._sock.recv(65536)
+            assert data, "the connection closed before the response ended"
+            self._parser.feed_data(data)
+        return self._done.pop(0)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["end-apart", "end-with-done"])
+def test_a_kept_alive_connection_carries_pipelined_streams_and_closes_when_asked(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream, together: bool) -> None:
+    """The response's end goes out from the read that brings it (with `[DONE]` when they come
+    together, alone when it comes apart), and completes uvicorn's cycle as its own `send`
+    would: the next pipelined request is answered on the same connection, and a request that
+    asks for `connection: close` has its connection closed after its answer."""
+    ending = _ending(30)
+    if together:  # the usage chunk, [DONE] and the body's end in one write, as vLLM may
+        ending = [ending[0], b"".join(ending[1:])]
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), *ending]
+    body = orjson.dumps(ASK)
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+               b"application/json\r\ncontent-length: %d\r\n%%b\r\n%b" % (len(body), body))
+    for proxy in two_proxies:
+        expected = _stream(proxy.url, ASK)
+        host, port = proxy.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            responses = _Responses(sock)
+            sock.sendall(request % b"" + request % b"")  # two at once: pipelined
+            answers = [responses.next(), responses.next()]
+            sock.sendall(request % b"connection: close\r\n")
+            answers.append(responses.next())
+            assert sock.recv(1) == b""  # closed after the answer, as asked
+        for headers, got in answers:
+            assert headers[b"content-type"].startswith(b"text/event-stream")
+            assert headers[b"transfer-encoding"] == b"chunked"
+            assert got == expected
+        assert answers[2][0][b"connection"] == b"close"
+        records = [proxy.next_record() for _ in range(4)]
+        assert [(r.outcome, r.output_tokens) for r in records] == [("ok", 30)] * 4
