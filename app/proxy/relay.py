@@ -305,17 +305,21 @@ class Exchange:
         in one write, with no wake-up of the coroutine before it. Elsewhere, or if the client
         leg cannot start it, the coroutine starts it over ASGI (`_stream`)."""
         leg = self._leg
-        if leg is None or self.phase is not Phase.WAITING:
+        if leg is None:
             return
         headers = client_response_headers(self._headers, self._record.request_id, None)
         head = leg.begin_chunked(200, headers)
-        if head is None:
-            return
-        self._head = head
-        self._direct = True
+        if head is not None:
+            self._head = head
+            self._write_directly(leg)
+
+    def _write_directly(self, leg: ClientLeg) -> None:
+        """From here on, reads go straight to the client from the upstream's callback; the
+        client's buffer filling and draining pauses and resumes the upstream."""
         leg.on_pause, leg.on_resume = self._client_blocked, self._client_reading
         if leg.paused:
             self.client_blocked_ns = perf_counter_ns()
+        self._direct = True
 
     def on_body(self, data: bytes, now_ns: int) -> None:
         self.last_read_ns = now_ns
@@ -605,18 +609,13 @@ class Exchange:
         try:
             if leg is not None and self.phase is not Phase.CLIENT_GONE:
                 if not self._direct:  # (else it was started from a read: `_start_direct`)
-                    # From here on, reads go straight to the client from the upstream's callback.
                     paused = self._pending_size > _PENDING_LIMIT
                     if self._pending:
                         leg.write_chunk(b"".join(self._pending))
                         self._pending, self._pending_size = [], 0
-                    if self._conn is not None:
-                        leg.on_pause, leg.on_resume = self._client_blocked, self._client_reading
-                        if leg.paused:
-                            self.client_blocked_ns = perf_counter_ns()
-                        elif paused:
-                            self._conn.resume_reading()
-                    self._direct = True
+                    self._write_directly(leg)
+                    if paused and not leg.paused and self._conn is not None:
+                        self._conn.resume_reading()
                     # The reads so far may have ended with a whole token chunk: then the native
                     # leg takes the stream from the next.
                     self._offer_native()
