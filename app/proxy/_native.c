@@ -7,19 +7,23 @@
  * `error`, a compact `"usage":{...}`), stamps it with the read's CLOCK_MONOTONIC time (the
  * clock of `time.perf_counter_ns()`), logs (time, completion tokens, prompt tokens), cuts the
  * usage when the client did not ask for it, and writes it to the client as one chunk: an
- * epoll loop, one read and one send per read, no Python. Anything else (the role chunk before,
- * the terminal chunk, the usage chunk and `[DONE]` after, an error, a chunk it cannot read
- * plainly, the end of the body, a broken socket, the relay asking) hands the stream back to
- * Python with the bytes it has not taken, and Python goes on from exactly there: every byte
- * and every timing definition is that of the Python path, which replays the logged events
- * into the stream's `StreamTiming`.
+ * epoll loop, one read and one send per read, no Python. It also takes the stream's tail as
+ * the Python path forwards it: the terminal chunk (a `finish_reason` set; its running usage cut
+ * too), the closing usage chunk (cut when the client did not ask for it), `[DONE]`, and the
+ * body's last chunk; the stream then comes back once, ended (END_BODY), with that last read's
+ * output unsent, for Python to write with the client's last chunk. Anything else (the role
+ * chunk before, an error, a chunk it cannot read plainly, anything after `[DONE]`, a body that
+ * ends before it, a broken socket, the relay asking) hands the stream back to Python with the
+ * bytes it has not taken, and Python goes on from exactly there: every byte and every timing
+ * definition is that of the Python path, which replays the logged events into the stream's
+ * `StreamTiming`.
  *
- * A terminal chunk (a `finish_reason` set) of a stream whose closing usage chunk is to be cut
- * is held by the Python path until the event after it (stream.py: it takes the usage chunk's
- * fingerprint). So the thread holds it too: it keeps reading, relays nothing more, and hands
- * the stream back once a whole chunk follows the held one, with the held chunk's own read
- * time (`held`, `held_ns`). Python then ends the stream from one hand-back instead of two
- * wake-ups, and nothing reaches the client later than it would have.
+ * A terminal chunk of a stream whose closing usage chunk is to be cut is held by the Python
+ * path until the event after it (stream.py: it takes the usage chunk's fingerprint). So the
+ * thread holds it too, relaying nothing more, until a whole chunk follows it: the usage chunk
+ * is cut and its fingerprint spliced into the held chunk where vLLM writes it; any other chunk
+ * hands the stream back with the held chunk's own read time (`held`, `held_ns`). Nothing
+ * reaches the client later than it would have.
  *
  * Sockets: the thread works on duplicates of the two descriptors, so that a close by the event
  * loop never leaves it writing to a reused number. While it holds a stream, the event loop has
@@ -50,7 +54,7 @@
 
 /* Why a stream came back (Python reads these as `Ending` in native.py). */
 enum { END_NONE = 0, END_HANDOVER = 1, END_ASKED = 2, END_UPSTREAM_EOF = 3,
-       END_UPSTREAM_ERROR = 4, END_CLIENT_ERROR = 5 };
+       END_UPSTREAM_ERROR = 4, END_CLIENT_ERROR = 5, END_BODY = 6 };
 
 typedef struct Stream Stream;
 
@@ -80,12 +84,14 @@ struct Stream {
     int hold;                 /* hold a terminal chunk until a whole chunk follows it */
     Py_ssize_t held;          /* bytes at the front of `in` held so (0: none) */
     int64_t held_ns;          /* the time of the read that completed the held chunk */
+    int64_t last_completion;  /* the running count of the last event logged (-1: none) */
     /* Thread-only buffers. */
     char *in; Py_ssize_t in_len;
     char *out; Py_ssize_t out_len, out_off, out_cap;
     /* Shared under lock. */
     int64_t *log; Py_ssize_t log_len, log_cap;   /* (time, completion, prompt) triples */
     int64_t last_read_ns, blocked_since_ns, leftover_ns;
+    int64_t done_ns;          /* the time of the read that brought `[DONE]` (0: not yet) */
 };
 
 static PyTypeObject StreamType;
@@ -182,21 +188,17 @@ static const char *usage_object(const char *p, const char *end, int depth,
     }
 }
 
-/* Is this chunk one whole running token event? Then its counts and the usage's span. */
-static int token_event(const char *d, Py_ssize_t n, int64_t *completion, int64_t *prompt,
-                       Py_ssize_t *cut_from, Py_ssize_t *cut_to) {
-    /* StreamFeed.feed's usual read: exactly one whole one-line event. */
+/* StreamFeed.feed's usual read: exactly one whole one-line event of a JSON object. */
+static int one_line_event(const char *d, Py_ssize_t n) {
     if (n < 10 || memcmp(d, "data: {\"", 8) != 0 || memcmp(d + n - 3, "}\n\n", 3) != 0)
         return 0;
-    if (memchr(d, '\r', (size_t)n) != NULL || memchr(d, '\n', (size_t)(n - 2)) != NULL)
-        return 0;
-    /* StreamFeed._token_chunk's tests. */
-    if (find(d, n, LIT("\"choices\":[{")) == NULL || find(d, n, LIT("\"error\":")) != NULL)
-        return 0;
-    if (count(d, n, LIT("\"finish_reason\":")) != 1
-        || find(d, n, LIT("\"finish_reason\":null")) == NULL)
-        return 0;
-    /* events.usage_span: the last `"usage":{` and its balanced closing brace. */
+    return memchr(d, '\r', (size_t)n) == NULL && memchr(d, '\n', (size_t)(n - 2)) == NULL;
+}
+
+/* The event's compact `"usage":{...}` (events.usage_span: the last `"usage":{` and its balanced
+ * closing brace), read: its counts (completion_tokens an int), and the span strip_usage cuts. */
+static int usage_in(const char *d, Py_ssize_t n, int64_t *completion, int64_t *prompt,
+                    Py_ssize_t *cut_from, Py_ssize_t *cut_to) {
     const char *start = rfind(d, n, LIT("\"usage\":{"));
     if (start == NULL) return 0;
     const char *open = start + 8, *end = d + n;
@@ -223,15 +225,52 @@ static int token_event(const char *d, Py_ssize_t n, int64_t *completion, int64_t
     return 1;
 }
 
-/* A terminal chunk the Python path holds (stream.py, `info.finished`): one whole one-line
- * event with a choice whose `finish_reason` is a string, and no error. */
+/* Is this chunk one whole running token event? Then its counts and the usage's span. */
+static int token_event(const char *d, Py_ssize_t n, int64_t *completion, int64_t *prompt,
+                       Py_ssize_t *cut_from, Py_ssize_t *cut_to) {
+    if (!one_line_event(d, n)) return 0;
+    /* StreamFeed._token_chunk's tests. */
+    if (find(d, n, LIT("\"choices\":[{")) == NULL || find(d, n, LIT("\"error\":")) != NULL)
+        return 0;
+    if (count(d, n, LIT("\"finish_reason\":")) != 1
+        || find(d, n, LIT("\"finish_reason\":null")) == NULL)
+        return 0;
+    return usage_in(d, n, completion, prompt, cut_from, cut_to);
+}
+
+/* A terminal chunk (stream.py, `info.finished`): one whole one-line event with a choice whose
+ * `finish_reason` is a string, and no error. */
 static int terminal_event(const char *d, Py_ssize_t n) {
-    if (n < 10 || memcmp(d, "data: {\"", 8) != 0 || memcmp(d + n - 3, "}\n\n", 3) != 0)
-        return 0;
-    if (memchr(d, '\r', (size_t)n) != NULL || memchr(d, '\n', (size_t)(n - 2)) != NULL)
-        return 0;
-    return find(d, n, LIT("\"choices\":[{")) != NULL && find(d, n, LIT("\"error\":")) == NULL
+    return one_line_event(d, n) && find(d, n, LIT("\"choices\":[{")) != NULL
+           && find(d, n, LIT("\"error\":")) == NULL
            && find(d, n, LIT("\"finish_reason\":\"")) != NULL;
+}
+
+/* The closing usage chunk (events.Kind.USAGE): `"choices":[]` and a compact usage, no error. */
+static int usage_event(const char *d, Py_ssize_t n, int64_t *completion, int64_t *prompt) {
+    Py_ssize_t from, to;
+    return one_line_event(d, n) && find(d, n, LIT("\"choices\":[]")) != NULL
+           && find(d, n, LIT("\"choices\":[{")) == NULL
+           && find(d, n, LIT("\"error\":")) == NULL
+           && usage_in(d, n, completion, prompt, &from, &to);
+}
+
+#define FINGERPRINT_KEY "\"system_fingerprint\":"
+
+/* events.system_fingerprint: the event's fingerprint as its JSON string, quotes included (0:
+ * none, or not a string). */
+static int fingerprint_of(const char *d, Py_ssize_t n, const char **fp, Py_ssize_t *fn) {
+    const char *key = rfind(d, n, LIT(FINGERPRINT_KEY));
+    if (key == NULL) return 0;
+    const char *start = key + sizeof(FINGERPRINT_KEY) - 1, *end = d + n;
+    if (start >= end || *start != '"') return 0;
+    for (const char *q = start + 1; q < end; q++) {
+        if (*q != '"') continue;
+        Py_ssize_t backslashes = 0;
+        while (q[-1 - backslashes] == '\\') backslashes++;
+        if (backslashes % 2 == 0) { *fp = start; *fn = q + 1 - start; return 1; }
+    }
+    return 0;
 }
 
 /* -- the thread ---------------------------------------------------------------------------- */
@@ -360,53 +399,158 @@ static int flush(Stream *s) {
     return 0;
 }
 
-/* Take the whole token chunks at the front of `in`; 1 when the stream must go back. */
+/* Write the held terminal chunk `d` (`n` bytes) as the Python path writes it once the usage
+ * chunk after it is cut (stream.py `_stamped`): its running usage cut when asked (the span at
+ * `cut_from`..`cut_to`), then the usage chunk's fingerprint `fp` (none: NULL) where vLLM writes
+ * it (events.add_fingerprint: before the last `}`, unless it has one). 0 done, -1 no memory. */
+static int out_stamped(Stream *s, const char *d, Py_ssize_t n, Py_ssize_t cut_from,
+                       Py_ssize_t cut_to, const char *fp, Py_ssize_t fn) {
+    char *buf = malloc((size_t)(n + fn + sizeof(FINGERPRINT_KEY) + 1));
+    if (buf == NULL) return -1;
+    Py_ssize_t m = 0;
+    if (s->strip) {
+        memcpy(buf, d, (size_t)cut_from); m = cut_from;
+        memcpy(buf + m, d + cut_to, (size_t)(n - cut_to)); m += n - cut_to;
+    } else {
+        memcpy(buf, d, (size_t)n); m = n;
+    }
+    int rc;
+    const char *brace = rfind(buf, m, LIT("}"));
+    if (fp == NULL || brace == NULL || find(buf, m, LIT(FINGERPRINT_KEY)) != NULL) {
+        rc = out_chunk(s, buf, m, NULL, 0);
+    } else {
+        Py_ssize_t at = brace - buf, kn = (Py_ssize_t)sizeof(FINGERPRINT_KEY) - 1;
+        memmove(buf + at + 1 + kn + fn, buf + at, (size_t)(m - at));
+        buf[at] = ',';
+        memcpy(buf + at + 1, FINGERPRINT_KEY, (size_t)kn);
+        memcpy(buf + at + 1 + kn, fp, (size_t)fn);
+        rc = out_chunk(s, buf, m + 1 + kn + fn, NULL, 0);
+    }
+    free(buf);
+    return rc;
+}
+
+enum { TAKE_ON = 0, TAKE_BACK = 1, TAKE_ENDED = 2 };
+
+/* Take the whole chunks at the front of `in` that the thread relays as the Python path would:
+ * running token chunks; then the stream's tail, the terminal chunk (held for the usage chunk's
+ * fingerprint when that chunk is to be cut), the usage chunk, `[DONE]`, and the body's last
+ * chunk. TAKE_BACK when the stream must go back to Python from the first chunk not taken,
+ * TAKE_ENDED when the body ended cleanly with this read. */
 static int take_chunks(Stream *s, int64_t now) {
     Py_ssize_t pos = 0;
-    int back = 0;
+    int back = TAKE_ON;
     int64_t ev[3 * 16];
     Py_ssize_t nev = 0;
+    int64_t done_ns = 0;
     Relay *r = s->relay;
+#define LOG_EVENT(t, c, p)                                                                \
+    do {                                                                                  \
+        ev[nev * 3] = (t); ev[nev * 3 + 1] = (c); ev[nev * 3 + 2] = (p);                  \
+        if ((c) > s->last_completion) s->last_completion = (c);                           \
+        if (++nev == 16) {                                                                \
+            pthread_mutex_lock(&r->lock); log_events(s, ev, nev);                         \
+            pthread_mutex_unlock(&r->lock); nev = 0;                                      \
+        }                                                                                 \
+    } while (0)
     while (pos < s->in_len) {
         const char *f = s->in + pos, *end = s->in + s->in_len;
         size_t size;
         Py_ssize_t head;
         int framed = chunk_at(f, end, &size, &head);
         if (framed == 0) break;  /* the rest of this chunk is still to come */
-        if (framed < 0) { back = 1; break; }  /* extensions, or not a size: Python */
-        if (size == 0) { back = 1; break; }  /* the last chunk: Python ends the body */
-        Py_ssize_t whole = head + (Py_ssize_t)size + 2;
-        const char *d = f + head;
-        int64_t completion, prompt;
-        Py_ssize_t cut_from, cut_to;
-        if (!token_event(d, (Py_ssize_t)size, &completion, &prompt, &cut_from, &cut_to)) {
-            if (s->hold && terminal_event(d, (Py_ssize_t)size)) {
-                /* Held where it is (`in` is moved to start with it below); back once a whole
-                 * chunk, or the body's last one, follows it. */
-                if (s->held == 0) { s->held = whole; s->held_ns = now; }
-                size_t next_size;
-                Py_ssize_t next_head;
-                if (chunk_at(f + whole, end, &next_size, &next_head) != 0) back = 1;
+        if (framed < 0) { back = TAKE_BACK; break; }  /* extensions, or not a size: Python */
+        if (size == 0) {
+            /* The body's last chunk, after `[DONE]`, no trailer, nothing after it: the body
+             * ended cleanly (Python writes the client's last chunk). Else Python ends it. */
+            if ((s->done_ns || done_ns) && s->held == 0 && end - f == 5
+                && memcmp(f, "0\r\n\r\n", 5) == 0) {
+                pos += 5;
+                back = TAKE_ENDED;
             } else {
-                back = 1;
+                back = TAKE_BACK;
             }
             break;
         }
-        int rc = s->strip ? out_chunk(s, d, cut_from, d + cut_to, (Py_ssize_t)size - cut_to)
-                          : out_chunk(s, d, (Py_ssize_t)size, NULL, 0);
-        if (rc < 0) { back = 1; break; }
-        ev[nev * 3] = now; ev[nev * 3 + 1] = completion; ev[nev * 3 + 2] = prompt;
-        if (++nev == 16) {
-            pthread_mutex_lock(&r->lock);
-            log_events(s, ev, nev);
-            pthread_mutex_unlock(&r->lock);
-            nev = 0;
+        if (s->done_ns || done_ns) { back = TAKE_BACK; break; }  /* more after `[DONE]` */
+        Py_ssize_t whole = head + (Py_ssize_t)size + 2, n = (Py_ssize_t)size;
+        const char *d = f + head;
+        int64_t completion, prompt;
+        Py_ssize_t cut_from, cut_to;
+        if (token_event(d, n, &completion, &prompt, &cut_from, &cut_to)) {
+            int rc = s->strip ? out_chunk(s, d, cut_from, d + cut_to, n - cut_to)
+                              : out_chunk(s, d, n, NULL, 0);
+            if (rc < 0) { back = TAKE_BACK; break; }
+            LOG_EVENT(now, completion, prompt);
+            pos += whole;
+            continue;
         }
-        pos += whole;
+        if (terminal_event(d, n)) {
+            if (!usage_in(d, n, &completion, &prompt, &cut_from, &cut_to)) {
+                back = TAKE_BACK;
+                break;
+            }
+            if (!s->hold) {  /* relayed as it is, its running usage cut when asked */
+                int rc = s->strip ? out_chunk(s, d, cut_from, d + cut_to, n - cut_to)
+                                  : out_chunk(s, d, n, NULL, 0);
+                if (rc < 0) { back = TAKE_BACK; break; }
+                LOG_EVENT(now, completion, prompt);
+                pos += whole;
+                continue;
+            }
+            /* Held where it is (`in` is moved to start with it below) until a whole chunk
+             * follows it: the usage chunk is cut, its fingerprint moved onto this one; any
+             * other chunk, or the body's end, sends the stream back with it held. */
+            if (s->held == 0) { s->held = whole; s->held_ns = now; }
+            const char *g = f + whole;
+            size_t next_size;
+            Py_ssize_t next_head;
+            int next = chunk_at(g, end, &next_size, &next_head);
+            if (next == 0) break;
+            int64_t seen = completion > s->last_completion ? completion : s->last_completion;
+            int64_t usage_completion, usage_prompt;
+            if (next < 0 || next_size == 0
+                || !usage_event(g + next_head, (Py_ssize_t)next_size, &usage_completion,
+                                &usage_prompt)
+                || usage_completion > seen) {
+                back = TAKE_BACK;
+                break;
+            }
+            const char *fp = NULL;
+            Py_ssize_t fn = 0;
+            fingerprint_of(g + next_head, (Py_ssize_t)next_size, &fp, &fn);
+            if (out_stamped(s, d, n, cut_from, cut_to, fp, fn) < 0) { back = TAKE_BACK; break; }
+            LOG_EVENT(s->held_ns, completion, prompt);
+            LOG_EVENT(now, usage_completion, usage_prompt);
+            s->held = 0;
+            pos += whole + next_head + (Py_ssize_t)next_size + 2;
+            continue;
+        }
+        if (usage_event(d, n, &completion, &prompt)) {
+            /* Counted tokens only if it raised the count, which the Python path would not. */
+            if (s->last_completion < 0 || completion > s->last_completion) {
+                back = TAKE_BACK;
+                break;
+            }
+            if (!s->hold && out_chunk(s, d, n, NULL, 0) < 0) { back = TAKE_BACK; break; }
+            LOG_EVENT(now, completion, prompt);  /* (cut when it is to be: `hold`) */
+            pos += whole;
+            continue;
+        }
+        if (n == 14 && memcmp(d, "data: [DONE]\n\n", 14) == 0) {
+            if (out_chunk(s, d, n, NULL, 0) < 0) { back = TAKE_BACK; break; }
+            done_ns = now;
+            pos += whole;
+            continue;
+        }
+        back = TAKE_BACK;  /* the role chunk, an error, anything else: Python's */
+        break;
     }
+#undef LOG_EVENT
     pthread_mutex_lock(&r->lock);
     if (nev) log_events(s, ev, nev);
     s->last_read_ns = now;
+    if (done_ns) s->done_ns = done_ns;
     pthread_mutex_unlock(&r->lock);
     if (pos) {
         memmove(s->in, s->in + pos, (size_t)(s->in_len - pos));
@@ -425,7 +569,9 @@ static void upstream_ready(Relay *r, Stream *s) {
     if (n > 0) {
         s->in_len += n;
         s->leftover_ns = now;
-        if (take_chunks(s, now)) ending = END_HANDOVER;
+        int taken = take_chunks(s, now);
+        if (taken == TAKE_BACK) ending = END_HANDOVER;
+        else if (taken == TAKE_ENDED) ending = END_BODY;
     } else if (n == 0) {
         ending = END_UPSTREAM_EOF;
     } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
@@ -434,7 +580,8 @@ static void upstream_ready(Relay *r, Stream *s) {
         s->err = errno;
         ending = END_UPSTREAM_ERROR;
     }
-    int sent = flush(s);
+    /* At the body's end, this read's output goes out with the client's last chunk (Python). */
+    int sent = ending == END_BODY ? 0 : flush(s);
     pthread_mutex_lock(&r->lock);
     if (sent < 0) {
         hand_back(r, s, END_CLIENT_ERROR);
@@ -544,6 +691,15 @@ static PyObject *Stream_unsent(Stream *s, void *Py_UNUSED(c)) {
     return PyBytes_FromStringAndSize(s->out + s->out_off, s->out_len - s->out_off);
 }
 
+static PyObject *Stream_done_ns(Stream *s, void *Py_UNUSED(c)) {
+    /* The time of the read that brought `[DONE]` (0: it has not come). */
+    Relay *r = s->relay;
+    pthread_mutex_lock(&r->lock);
+    int64_t done = s->done_ns;
+    pthread_mutex_unlock(&r->lock);
+    return PyLong_FromLongLong((long long)done);
+}
+
 static PyMemberDef Stream_members[] = {
     {"owner", T_OBJECT, offsetof(Stream, owner), 0, "the relay's exchange"},
     {"ending", T_INT, offsetof(Stream, ending), READONLY, "why it came back (0: it has not)"},
@@ -560,6 +716,7 @@ static PyMemberDef Stream_members[] = {
 static PyGetSetDef Stream_getset[] = {
     {"leftover", (getter)Stream_leftover, NULL, NULL, NULL},
     {"unsent", (getter)Stream_unsent, NULL, NULL, NULL},
+    {"done_ns", (getter)Stream_done_ns, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -650,6 +807,7 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
     s->relay = r;
     s->strip = strip;
     s->hold = hold;
+    s->last_completion = -1;
     s->in = malloc(IN_CAP);
     s->up = fcntl(up, F_DUPFD_CLOEXEC, 0);
     s->client = fcntl(client, F_DUPFD_CLOEXEC, 0);

@@ -3,23 +3,29 @@
 A stream whose tokens are counted exactly (timing.py) spends nearly all its reads as running
 token chunks. Once one has been relayed and Python's reading of the stream is at a chunk
 boundary with nothing held, the relay hands both sockets to the native thread (`_native.c`):
-it relays and stamps those chunks with no Python per read, and hands the stream back at the
-first chunk it does not take plainly (the terminal chunk, usage, `[DONE]`, an error), at the
-end of the body, at a broken socket, or when the relay asks (the client left, an idle or
-stall timeout, shutdown). Python then goes on from that exact byte (`Exchange.native_returned`).
+it relays and stamps those chunks with no Python per read, and the stream's tail too (the
+terminal chunk, the closing usage chunk, `[DONE]`, the body's last chunk), so that a stream
+usually comes back once, ended (`Ending.ENDED`): Python then writes the last read's output
+with the client's last chunk and finishes the record. It comes back earlier at the first
+chunk it does not take plainly (the role chunk, an error, anything after `[DONE]`), at a body
+that ends before `[DONE]`, at a broken socket, or when the relay asks (the client left, an
+idle or stall timeout, shutdown); Python then goes on from that exact byte
+(`Exchange.native_returned`).
 
 What a client receives and every timing definition are those of the Python path: the thread
-applies `StreamFeed._token_chunk`'s own test and usage cut, and the relay replays each logged
-(read time, completion tokens, prompt tokens) into the stream's `StreamTiming`. The replay
-runs when the stream comes back and on each pass of the live registry (`LiveStreams.check`,
-at most a second apart), so the ITL histogram receives a native stream's samples up to one
-pass late, each with its own time; the idle and client-stall timeouts read the thread's last
-read and blocked-since times on the same pass.
+applies `StreamFeed`'s own tests and cuts, and the relay replays each logged (read time,
+completion tokens, prompt tokens) into the stream's `StreamTiming`, and the time of the read
+that brought `[DONE]` as the stream's end (`done_ns`). The replay runs when the stream comes
+back and on each pass of the live registry (`LiveStreams.check`, at most a second apart), so
+the ITL histogram receives a native stream's samples up to one pass late, each with its own
+time; the idle and client-stall timeouts read the thread's last read and blocked-since times
+on the same pass. A client that leaves after the thread sent `[DONE]` had its whole answer,
+as on the Python path: that cancels nothing.
 
 A terminal chunk that the Python path would hold for the usage chunk's fingerprint
-(stream.py) is held by the thread as well, until a whole chunk follows it: the stream then
-comes back once, with the held chunk's read time apart (`held`, `held_ns`), and Python ends it
-from there.
+(stream.py) is held by the thread as well, until a whole chunk follows it: a usage chunk is
+cut and its fingerprint spliced into the held chunk, byte for byte as `StreamFeed` does; any
+other chunk sends the stream back with the held chunk's read time apart (`held`, `held_ns`).
 
 Used under phasewatch's own server (the client leg), on plain TCP on both sides (TLS stays in
 Python), on Linux where the extension is built; `PHASEWATCH_NATIVE_RELAY=false` turns it off.
@@ -47,6 +53,7 @@ class Ending(IntEnum):
     UPSTREAM_EOF = 3  # the upstream closed its side
     UPSTREAM_ERROR = 4  # reading the upstream failed (`errno`)
     CLIENT_ERROR = 5  # writing to the client failed: it is gone
+    ENDED = 6  # the body ended cleanly after [DONE] (its last read's output not yet written)
 
 
 class Stream(Protocol):
@@ -60,6 +67,7 @@ class Stream(Protocol):
     held: int
     held_ns: int
     unsent: bytes
+    done_ns: int  # the time of the read that brought [DONE] (0: it has not come)
 
     def poll(self) -> tuple[bytes, int, int]: ...
     def stop(self) -> None: ...

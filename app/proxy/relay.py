@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat.completions"}
 _DONE_EVENT = b"data: [DONE]\n\n"
+_LAST_CHUNK = b"0\r\n\r\n"  # a chunked body's end, as the native leg read it (`Ending.ENDED`)
 # Streams cut before [DONE]: the in-band error's type and code.
 _CUT = {Outcome.TIMEOUT: ("upstream_error", 502), Outcome.STREAM_ERROR: ("upstream_error", 502),
         Outcome.SHUTDOWN: ("service_unavailable", 503)}
@@ -155,10 +156,10 @@ class Exchange:
     """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
-                 "_head", "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
-                 "_pending_size", "_plan", "_record", "_responded", "_scope", "_status", "_task",
-                 "_timing", "_trace", "_unwritten", "_wake", "client_blocked_ns", "label",
-                 "last_read_ns", "phase")
+                 "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
+                 "_pending_size", "_plan", "_prefix", "_record", "_responded", "_scope",
+                 "_status", "_task", "_timing", "_trace", "_unwritten", "_wake",
+                 "client_blocked_ns", "label", "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
                  record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None,
@@ -188,7 +189,9 @@ class Exchange:
         self._pending_size = 0
         self._direct = False  # output goes straight onto the client's transport
         self._unwritten: list[bytes] = []  # (direct) this read's output, written as it ends
-        self._head = b""  # (direct) the response's head, written with this read's output
+        # (direct) framed bytes that go out ahead of this read's output, in its write: the
+        # response's head, or what the native leg relayed in the read that ended the body.
+        self._prefix = b""
         self._blocked_in_send = False  # (other servers) waiting in an ASGI send
         self._responded = False  # the upstream sent a byte of its response
         self._end_ns = 0
@@ -221,8 +224,13 @@ class Exchange:
 
     def client_gone(self) -> None:
         """The client disconnected. After [DONE] it has its whole answer: that cancels nothing."""
-        if self.phase not in _ENDINGS and not (self._feed is not None and self._feed.done):
+        if self.phase not in _ENDINGS and not self._answered():
             self._move(Phase.CLIENT_GONE)
+
+    def _answered(self) -> bool:
+        """`[DONE]` has gone to the client, from here or from the native leg."""
+        feed, native = self._feed, self._native
+        return (feed is not None and feed.done) or (native is not None and native.done_ns > 0)
 
     def live_view(self) -> LiveView | None:
         """For the live gauges (live.py): a streamed request until it ends."""
@@ -310,7 +318,7 @@ class Exchange:
         headers = client_response_headers(self._headers, self._record.request_id, None)
         head = leg.begin_chunked(200, headers)
         if head is not None:
-            self._head = head
+            self._prefix = head
             self._write_directly(leg)
 
     def _write_directly(self, leg: ClientLeg) -> None:
@@ -351,16 +359,16 @@ class Exchange:
     def on_read_end(self) -> None:
         """The read is parsed: what it produced goes out in one write (with the response's head
         in the read that brought it), and then the native leg may take the stream."""
-        out, head, feed = self._unwritten, self._head, self._feed
+        out, prefix, feed = self._unwritten, self._prefix, self._feed
         # The body ended cleanly in this read: the response's end goes out with what it
         # brought (if anything), and the coroutine has only the record left to finish.
         last = (self._direct and self.phase is Phase.ENDED and feed is not None
                 and feed.ended_whole)
-        if not out and not head and not last:
+        if not out and not prefix and not last:
             return
-        self._unwritten, self._head = [], b""
+        self._unwritten, self._prefix = [], b""
         assert self._leg is not None
-        self._leg.write_chunks(out, head, last)
+        self._leg.write_chunks(out, prefix, last)
         if not last:
             self._offer_native()
 
@@ -401,13 +409,28 @@ class Exchange:
         """The native leg handed the stream back: go on from the byte it stopped at."""
         self._native = None
         self._replay(stream)
-        leg, conn = self._leg, self._conn
+        leg, conn, feed = self._leg, self._conn, self._feed
+        done_ns = stream.done_ns
+        if done_ns and feed is not None and not feed.done:
+            # [DONE] went out from the native leg: the exchange is complete as the client sees
+            # it from that read on (as `on_body` has it).
+            feed.done = True
+            self._timing.end_ns = done_ns
+        ending = stream.ending
+        if ending == Ending.ENDED and conn is not None:
+            # The body ended cleanly in the native leg's last read. What that read brought goes
+            # out with the client's last chunk, in one write, when the upstream's parser hears
+            # the end the native leg read for it (`on_end`, then `on_read_end`).
+            conn.resume_reading()  # for its next response: it goes back to the pool
+            self._prefix = stream.unsent
+            conn.take(_LAST_CHUNK, stream.leftover_ns)
+            self._wake_up()
+            return
         unsent, blocked_ns = stream.unsent, self.client_blocked_ns
         if unsent and leg is not None:
             leg.write_raw(unsent)  # may fill the client's buffer: `_client_blocked`
             if leg.paused and blocked_ns:
                 self.client_blocked_ns = blocked_ns  # it stopped reading before this write
-        ending = stream.ending
         if ending == Ending.CLIENT_ERROR:
             self.client_gone()
         if conn is not None:

@@ -1,0 +1,247 @@
+"""The native leg's stream tail (_native.c), driven directly over socket pairs.
+
+After the running token chunks the thread also relays what ends a stream, as the Python path
+does: the terminal chunk (held for the usage chunk's fingerprint when that chunk is cut), the
+usage chunk, `[DONE]` and the body's last chunk. The stream then comes back once, ended
+(`Ending.ENDED`), with the last read's output for Python to write with the client's last
+chunk. Here each case's bytes are compared with what `StreamFeed` forwards for the same events,
+and anything the thread must not take plainly comes back to Python at that chunk's first byte.
+(tests/proxy/test_native_relay.py holds whole exchanges through two proxies alike.)
+"""
+
+from __future__ import annotations
+
+import array
+import select
+import socket
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import pytest
+
+from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.proxy.native import Ending
+from phasewatch.proxy.request_plan import plan_request
+from phasewatch.proxy.stream import StreamFeed
+from phasewatch.proxy.timing import Counting, StreamTiming
+
+_native = pytest.importorskip("phasewatch.proxy._native",
+                              reason="the native relay is not built here")
+
+DONE = b"data: [DONE]\n\n"
+END = b"0\r\n\r\n"
+
+
+def _frame(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def _chunk(text: str, completion: int, finish: str | None = None) -> bytes:
+    return b"data: " + orjson.dumps({
+        "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 7, "total_tokens": 7 + completion,
+                  "completion_tokens": completion}}) + b"\n\n"
+
+
+def _usage(completion: int, fingerprint: str | None = "fp_1") -> bytes:
+    obj: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "created": 1,
+                           "model": "m", "choices": [],
+                           "usage": {"prompt_tokens": 7, "total_tokens": 7 + completion,
+                                     "completion_tokens": completion}}
+    if fingerprint is not None:
+        obj["system_fingerprint"] = fingerprint
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+# What the client asked: usage cut (the default: phasewatch asks for running usage), the
+# closing usage asked (running usage cut), running usage asked (nothing cut).
+ASKS = {
+    "usage-cut": {},
+    "final-usage": {"stream_options": {"include_usage": True}},
+    "running-usage": {"stream_options": {"include_usage": True,
+                                         "continuous_usage_stats": True}},
+}
+
+
+def _plan(ask: str) -> Any:
+    body = {"model": "m", "prompt": "hi", "stream": True, **ASKS[ask]}
+    return plan_request(orjson.dumps(body), True)
+
+
+def _python_path(ask: str, events: list[bytes]) -> bytes:
+    """What StreamFeed forwards for these events (one read each), joined."""
+    record = RequestRecord(request_id="r", started_at=datetime.now(UTC), endpoint="completions",
+                           model="m", upstream="u", stream=True, outcome=Outcome.OK,
+                           http_status=None, in_flight_at_arrival=0)
+    feed = StreamFeed(_plan(ask), record, StreamTiming(0))
+    return b"".join(feed.feed(event, i + 1) for i, event in enumerate(events)) + feed.end(99)
+
+
+def _unframed(data: bytes) -> bytes:
+    """The payload of HTTP/1.1 chunks (without the last, empty one)."""
+    out, pos = [], 0
+    while pos < len(data):
+        line_end = data.index(b"\r\n", pos)
+        size = int(data[pos:line_end], 16)
+        if size == 0:
+            break
+        out.append(data[line_end + 2:line_end + 2 + size])
+        pos = line_end + 2 + size + 2
+    return b"".join(out)
+
+
+class Pair:
+    """A stream held by the thread, between two socket pairs we drive."""
+
+    def __init__(self, relay: Any, ask: str) -> None:
+        self.relay = relay
+        self.up, self.upstream = socket.socketpair()
+        self.client, self.remote = socket.socketpair()
+        plan = _plan(ask)
+        self.stream = relay.start(self.up.fileno(), self.client.fileno(),
+                                  plan.strip_chunk_usage, plan.strip_final_usage, self)
+        self.received = b""
+
+    def send(self, *chunks: bytes) -> None:
+        """One upstream write of these framed chunks."""
+        self.upstream.sendall(b"".join(chunks))
+
+    def relayed(self, ending: bytes) -> None:
+        """Wait until what the client got from the thread ends with `ending`."""
+        while not self.received.endswith(ending):
+            ready, _, _ = select.select([self.remote], [], [], 10)
+            assert ready, "the thread relayed nothing more"
+            self.received += self.remote.recv(65536)
+
+    def back(self) -> Any:
+        """Wait for the stream to come back; then what the client got from the thread."""
+        ready, _, _ = select.select([self.relay.fileno()], [], [], 10)
+        assert ready, "the stream did not come back"
+        assert self.relay.finished() == [self.stream]
+        self.remote.setblocking(False)
+        while True:
+            try:
+                data = self.remote.recv(65536)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            self.received += data
+        return self.stream
+
+    def close(self) -> None:
+        for sock in (self.up, self.upstream, self.client, self.remote):
+            sock.close()
+
+
+@pytest.fixture
+def relay() -> Iterator[Any]:
+    relay = _native.Relay()
+    yield relay
+    relay.close()
+
+
+def _counts(stream: Any) -> list[int]:
+    events = array.array("q", stream.poll()[0])
+    return list(events[1::3])
+
+
+TOKENS = [_chunk(f"t{i}", i) for i in range(2, 6)]
+
+
+@pytest.mark.parametrize("ask", list(ASKS))
+def test_a_tail_read_at_once_ends_the_stream_in_the_thread(relay: Any, ask: str) -> None:
+    tail = [_chunk("", 6, finish="length"), _usage(6), DONE]
+    pair = Pair(relay, ask)
+    try:
+        pair.send(*(_frame(e) for e in TOKENS))
+        pair.send(*(_frame(e) for e in tail), END)
+        stream = pair.back()
+        assert stream.ending == Ending.ENDED
+        assert stream.leftover == b"" and stream.held == 0
+        assert stream.done_ns > 0
+        # The last read's output is left for Python to write with the client's last chunk.
+        assert _unframed(stream.unsent).endswith(DONE)
+        got = _unframed(pair.received) + _unframed(stream.unsent)
+        assert got == _python_path(ask, TOKENS + tail)
+        if ask == "usage-cut":
+            assert b'"finish_reason":"length"}],"system_fingerprint":"fp_1"}' in got
+            assert b'"usage"' not in got
+        # Tokens 2-5, the terminal chunk's count, then the usage chunk's (no token).
+        assert _counts(stream) == [2, 3, 4, 5, 6, 6]
+    finally:
+        pair.close()
+
+
+def test_the_tail_over_several_reads_goes_out_as_it_comes(relay: Any) -> None:
+    pair = Pair(relay, "usage-cut")
+    try:
+        pair.send(_frame(TOKENS[0]))
+        pair.relayed(b"\n\n\r\n")
+        pair.send(_frame(_chunk("z", 3, finish="stop")))  # held: the usage chunk is cut
+        pair.send(_frame(_usage(3, 'fp "quoted" \\')))
+        pair.relayed(b'"}\n\n\r\n')  # the held chunk, stamped
+        pair.send(_frame(DONE))
+        pair.relayed(_frame(DONE))  # [DONE] goes out as it comes, not with the end
+        pair.send(END)
+        stream = pair.back()
+        assert stream.ending == Ending.ENDED and stream.unsent == b""
+        got = _unframed(pair.received)
+        assert got == _python_path("usage-cut", [TOKENS[0], _chunk("z", 3, finish="stop"),
+                                                 _usage(3, 'fp "quoted" \\'), DONE])
+        assert b'"system_fingerprint":"fp \\"quoted\\" \\\\"}\n\n' in got
+        assert _counts(stream) == [2, 3, 3]
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("after", [
+    [_frame(DONE), END],  # [DONE] right after a held terminal chunk: Python forwards it as is
+    [_frame(_usage(9)), _frame(DONE), END],  # a usage chunk that raises the count
+    [_frame(b"data: " + orjson.dumps({"error": {"message": "x"}}) + b"\n\n"), END],
+])
+def test_a_tail_it_cannot_take_plainly_goes_back_held(relay: Any, after: list[bytes]) -> None:
+    pair = Pair(relay, "usage-cut")
+    terminal = _frame(_chunk("", 6, finish="length"))
+    try:
+        pair.send(*(_frame(e) for e in TOKENS), terminal, *after)
+        stream = pair.back()
+        assert stream.ending == Ending.HANDOVER
+        assert stream.held == len(terminal)
+        assert stream.leftover == terminal + b"".join(after)
+        assert stream.done_ns == 0
+    finally:
+        pair.close()
+
+
+def test_anything_after_done_goes_back_to_python(relay: Any) -> None:
+    pair = Pair(relay, "running-usage")
+    try:
+        pair.send(_frame(_chunk("", 6, finish="length")), _frame(DONE), _frame(b": late\n\n"))
+        stream = pair.back()
+        assert stream.ending == Ending.HANDOVER
+        assert stream.leftover == _frame(b": late\n\n")
+        assert stream.done_ns > 0  # [DONE] went out: Python knows the answer is whole
+        assert _unframed(pair.received) == _chunk("", 6, finish="length") + DONE
+    finally:
+        pair.close()
+
+
+def test_the_thread_counts_as_the_python_path_times(relay: Any) -> None:
+    # Replayed into a timing, the thread's tail events leave what Python's own reading would.
+    pair = Pair(relay, "usage-cut")
+    tail = [_chunk("z", 6, finish="length"), _usage(6), DONE]
+    try:
+        pair.send(*(_frame(e) for e in TOKENS), *(_frame(e) for e in tail), END)
+        stream = pair.back()
+        timing = StreamTiming(0)
+        timing.counting, timing.tokens_seen = Counting.EXACT, 1
+        timing.first_output_ns = timing.last_output_ns = 1
+        timing.exact_events(array.array("q", stream.poll()[0]))
+        assert timing.tokens_seen == 6 and timing.completion_tokens == 6
+        assert timing.prompt_tokens == 7 and timing.gaps.count == 5
+    finally:
+        pair.close()
