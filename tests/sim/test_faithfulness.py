@@ -25,7 +25,11 @@ from tests.support.servers import free_port, subprocess_server
 STREAMS = 64
 PROMPT_WORDS = 32
 MAX_TOKENS = 24
-TIME_SCALE = 25.0  # at 10, 64 loopback writes per step (~85 us each here) give p99 ~1.6 ms
+TIME_SCALE = 100.0  # wall seconds per model second; the error below is in model time
+# At 10, 64 loopback writes per step (~85 us each) gave p99 ~1.6 ms on the VM this was written
+# on. On a slower one (2026-12-03), a step's chunks reached the client up to 40-65 ms of wall
+# time after they were due at every scale tried (25, 50, 100), the engine itself late by under
+# 0.1 ms: p99 1.1-2.2 model-ms at 25, 0.4-0.6 at 100.
 
 
 @dataclass
