@@ -43,7 +43,8 @@ EPS_S = 0.001  # clock granularity and float sums
 # write its first token tens of ms after stamping it when its API server is starved. The bounds
 # are those legs on a busy box, as tests/proxy/test_relay_timing.py allows them.
 CLIENT_TTFT_MEDIAN_S = 0.015
-CLIENT_SPAN_MEDIAN_S = 0.003
+CLIENT_SPAN_MEDIAN_S = 0.005  # 3.5 ms seen on a busier VM (2026-12-03), before and after a
+# change to the native relay alike: the client's first token late by 4-17 ms in half the rows
 VLLM_TTFT_MEDIAN_S = 0.025
 VLLM_SPAN_MEDIAN_S = 0.025
 VLLM_LAST_TOKEN_MEDIAN_S = 0.010
