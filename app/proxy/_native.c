@@ -477,7 +477,15 @@ static int take_chunks(Stream *s, int64_t now) {
         const char *d = f + head;
         int64_t completion, prompt;
         Py_ssize_t cut_from, cut_to;
-        if (token_event(d, n, &completion, &prompt, &cut_from, &cut_to)) {
+        int token = token_event(d, n, &completion, &prompt, &cut_from, &cut_to);
+        int terminal = !token && terminal_event(d, n);
+        if (terminal && !usage_in(d, n, &completion, &prompt, &cut_from, &cut_to)) {
+            back = TAKE_BACK;
+            break;
+        }
+        if (token || (terminal && !s->hold)) {
+            /* A running token chunk, or a terminal chunk not held: relayed as it is, its
+             * running usage cut when asked. */
             int rc = s->strip ? out_chunk(s, d, cut_from, d + cut_to, n - cut_to)
                               : out_chunk(s, d, n, NULL, 0);
             if (rc < 0) { back = TAKE_BACK; break; }
@@ -485,19 +493,7 @@ static int take_chunks(Stream *s, int64_t now) {
             pos += whole;
             continue;
         }
-        if (terminal_event(d, n)) {
-            if (!usage_in(d, n, &completion, &prompt, &cut_from, &cut_to)) {
-                back = TAKE_BACK;
-                break;
-            }
-            if (!s->hold) {  /* relayed as it is, its running usage cut when asked */
-                int rc = s->strip ? out_chunk(s, d, cut_from, d + cut_to, n - cut_to)
-                                  : out_chunk(s, d, n, NULL, 0);
-                if (rc < 0) { back = TAKE_BACK; break; }
-                LOG_EVENT(now, completion, prompt);
-                pos += whole;
-                continue;
-            }
+        if (terminal) {
             /* Held where it is (`in` is moved to start with it below) until a whole chunk
              * follows it: the usage chunk is cut, its fingerprint moved onto this one; any
              * other chunk, or the body's end, sends the stream back with it held. */
