@@ -12,7 +12,7 @@ A figure "rises" when either
 (or, when the tail rule fired, the p95 ratio): how often data like these would show the same
 material rise. The
 diagnosis builds its confidence from it. Bootstrap replicates of quantiles are drawn exactly
-(`statistics.quantile_replicate`) and those of means from their normal approximation, so a
+(`statistics.quantile_replicates`) and those of means from their normal approximation, so a
 thousand replicates cost milliseconds whatever the sample size.
 """
 
@@ -28,8 +28,8 @@ from phasewatch.diagnosis.statistics import (
     Moments,
     interval,
     mann_whitney_greater,
-    mean_replicate,
-    quantile_replicate,
+    mean_replicates,
+    quantile_replicates,
     rank_of,
     ratio,
 )
@@ -122,18 +122,15 @@ def compare(
     ranks_w = (rank_of(0.5, nw), rank_of(0.95, nw))
     ranks_b = (rank_of(0.5, nb), rank_of(0.95, nb))
     moments_w, moments_b = Moments.of(w), Moments.of(b)
-    centers: list[float] = []
-    tails: list[float] = []
-    for _ in range(rounds):
-        w50, w95r = quantile_replicate(w, ranks_w, rng)
-        b50, b95r = quantile_replicate(b, ranks_b, rng)
-        if center == "mean":
-            c = ratio(mean_replicate(moments_w, rng), mean_replicate(moments_b, rng))
-        else:
-            c = ratio(w50, b50)
-        t = ratio(w95r, b95r)
-        centers.append(c)
-        tails.append(t)
+    w50, w95r = quantile_replicates(w, ranks_w, rounds, rng)
+    b50, b95r = quantile_replicates(b, ranks_b, rounds, rng)
+    if center == "mean":
+        centers = [ratio(x, y) for x, y in zip(mean_replicates(moments_w, rounds, rng),
+                                               mean_replicates(moments_b, rounds, rng),
+                                               strict=True)]
+    else:
+        centers = [ratio(x, y) for x, y in zip(w50, b50, strict=True)]
+    tails = [ratio(x, y) for x, y in zip(w95r, b95r, strict=True)]
     ratio_ci = interval(centers)
     ratio_p95_ci = interval(tails)
     point = ratio(wc, bc)

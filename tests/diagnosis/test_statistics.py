@@ -13,10 +13,11 @@ import pytest
 from phasewatch.diagnosis.statistics import (
     Moments,
     average_ranks,
+    beta_draws,
     interval,
     mann_whitney_greater,
-    mean_replicate,
-    quantile_replicate,
+    mean_replicates,
+    quantile_replicates,
     rank_of,
     rate_ratio_greater,
     spearman,
@@ -32,6 +33,19 @@ def test_average_ranks_share_ties() -> None:
     ranks, ties = average_ranks([3.0, 1.0, 3.0, 2.0, 3.0])
     assert ranks == [4.0, 1.0, 4.0, 2.0, 4.0]
     assert ties == [3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_average_ranks_match_counting(seed: int) -> None:
+    """A value's average rank is 1 + (values below it) + (its other copies) / 2."""
+    rng = random.Random(seed)
+    values = [float(rng.randint(0, 30)) for _ in range(60)] if seed % 2 else [
+        rng.random() for _ in range(60)]
+    ranks, ties = average_ranks(values)
+    for v, r in zip(values, ranks, strict=True):
+        below = sum(1 for x in values if x < v)
+        assert r == 1 + below + (values.count(v) - 1) / 2
+    assert sorted(ties) == sorted(c for c in map(values.count, set(values)) if c > 1)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -93,7 +107,7 @@ def test_quantile_replicates_match_resampling() -> None:
     rng = random.Random(3)
     values = sorted(rng.lognormvariate(0, 1) for _ in range(41))
     ranks = (rank_of(0.5, 41), rank_of(0.95, 41))
-    drawn = [quantile_replicate(values, ranks, rng) for _ in range(20000)]
+    drawn = list(zip(*quantile_replicates(values, ranks, 20000, rng), strict=True))
     resampled = []
     for _ in range(20000):
         sample = sorted(rng.choices(values, k=41))
@@ -109,14 +123,34 @@ def test_quantile_replicates_match_resampling() -> None:
 
 def test_one_value_and_equal_ranks() -> None:
     rng = random.Random(0)
-    assert quantile_replicate([2.5], (1, 1), rng) == [2.5, 2.5]
+    assert quantile_replicates([2.5], (1, 1), 3, rng) == [[2.5] * 3, [2.5] * 3]
+
+
+@pytest.mark.parametrize(("a", "b"), [(0.5, 3.0), (1.0, 1.0), (1.01, 1.01), (2.0, 50.0),
+                                      (50.0, 2.0), (7.0, 7.0), (1000.0, 1001.0), (1900.0, 101.0)])
+def test_beta_draws_have_the_beta_distribution(a: float, b: float) -> None:
+    """Mean, variance and CDF at three points against Beta(a, b)'s, from 40,000 draws
+    (Cheng's BB above shapes of 1, `betavariate` below)."""
+    rng = random.Random(11)
+    draws = beta_draws(a, b, 40000, rng)
+    mean = a / (a + b)
+    variance = a * b / ((a + b) ** 2 * (a + b + 1))
+    assert all(0.0 <= d <= 1.0 for d in draws)
+    assert statistics.fmean(draws) == pytest.approx(mean, abs=4 * math.sqrt(variance / 40000))
+    assert statistics.pvariance(draws) == pytest.approx(variance, rel=0.05)
+    # The CDF where Beta(a, b) has its quartiles, against betavariate's own draws.
+    reference = sorted(rng.betavariate(a, b) for _ in range(40000))
+    for q in (0.25, 0.5, 0.75):
+        cut = reference[int(q * 40000)]
+        share = sum(1 for d in draws if d <= cut) / 40000
+        assert share == pytest.approx(q, abs=0.012)
 
 
 def test_mean_replicates_centre_on_the_mean() -> None:
     rng = random.Random(0)
     values = [1.0, 2.0, 3.0, 10.0]
     moments = Moments.of(values)
-    draws = [mean_replicate(moments, rng) for _ in range(20000)]
+    draws = mean_replicates(moments, 20000, rng)
     assert statistics.fmean(draws) == pytest.approx(4.0, abs=0.05)
     assert statistics.pstdev(draws) == pytest.approx(moments.sd / 2, rel=0.05)
     assert Moments.of([7.0]).sd == 0.0
