@@ -186,7 +186,7 @@ def beta_draws(a: float, b: float, k: int, rng: random.Random) -> list[float]:
             w = lo * exp(v) if v <= _EXP_MAX else sys.float_info.max
             r = shift * v - _LOG_4
             s = lo + r - w
-            if s + _ONE_PLUS_LOG_5 >= 5.0 * z:
+            if s + _ONE_PLUS_LOG_5 >= 5.0 * z or z <= 0.0:  # z = 0: log(z) is -inf < s
                 break
             t = log(z)
             if s > t or r + total * log(total / (hi + w)) >= t:
