@@ -37,6 +37,7 @@ import asyncio
 import logging
 from array import array
 from enum import IntEnum
+from importlib import import_module
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -81,10 +82,8 @@ class NativeRelay:
     """The process's native thread, and the event loop's side of it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        from phasewatch.proxy import _native  # type: ignore[attr-defined]
-
         self._loop = loop
-        self._relay = _native.Relay()
+        self._relay = import_module("phasewatch.proxy._native").Relay()
         self._open = True
         loop.add_reader(self._relay.fileno(), self._returned)
 
