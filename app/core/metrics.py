@@ -15,11 +15,10 @@ each gauge says how with its `multiprocess_mode` (ignored with one process).
 from __future__ import annotations
 
 import time
+from array import array
 from bisect import bisect_left
-from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -35,8 +34,9 @@ class Observe(Protocol):
     def __call__(self, amount: float, exemplar: Exemplar | None = None, /) -> None: ...
 
 
-# Observations made together, none with an exemplar.
-ObserveMany = Callable[[list[float]], None]
+# Observations made together, none with an exemplar: (bucket index, how many fell in it) for
+# the buckets they fell in, and their sum.
+ObserveCounts = Callable[[list[tuple[int, int]], float], None]
 
 
 # TTFT spans an idle prefill (milliseconds) to a deep queue (minutes).
@@ -112,21 +112,19 @@ def fast_observe(child: Histogram) -> Observe:
     return observe
 
 
-def fast_observe_many(child: Histogram) -> ObserveMany:
-    """Observations without exemplars made together (the native leg's replay, timing.py):
-    each bucket they fall in and the sum are incremented once, leaving what as many
-    `observe` calls leave, the sum to within rounding in its last bits (it adds their total)."""
-    bounds, increments, add_to_sum = _parts(child)
+def fast_observe_counts(child: Histogram) -> ObserveCounts:
+    """Observations without exemplars made together (the native leg's replay, timing.py),
+    counted per bucket by the caller against `child._upper_bounds`: each bucket and the sum
+    are incremented once, leaving what as many `observe` calls leave, the sum to within
+    rounding in its last bits (it adds their total)."""
+    _, increments, add_to_sum = _parts(child)
 
-    def observe_many(amounts: list[float]) -> None:
-        if not amounts:
-            return
-        counts = Tally(map(bisect_left, repeat(bounds), amounts))
-        add_to_sum(sum(amounts))
-        for index, count in counts.items():
+    def observe_counts(counts: list[tuple[int, int]], total: float) -> None:
+        for index, count in counts:
             increments[index](count)
+        add_to_sum(total)
 
-    return observe_many
+    return observe_counts
 
 
 def _parts(child: Histogram) -> tuple[list[float], list[Callable[[float], None]],
@@ -142,7 +140,8 @@ class BoundMetrics:
 
     observe_ttft: Observe  # each histogram's child, observed by fast_observe
     observe_itl: Observe
-    observe_itl_many: ObserveMany  # the ITL's child, by fast_observe_many
+    observe_itl_counts: ObserveCounts  # the ITL's child, by fast_observe_counts
+    itl_bounds: array[float]  # its buckets' upper bounds, for the counts
     observe_tpot: Observe
     observe_prompt_tokens: Observe
     observe_output_tokens: Observe
@@ -251,7 +250,8 @@ class ProxyMetrics:
             bound = BoundMetrics(
                 observe_ttft=fast_observe(self.ttft.labels(model, endpoint)),
                 observe_itl=fast_observe(itl),
-                observe_itl_many=fast_observe_many(itl),
+                observe_itl_counts=fast_observe_counts(itl),
+                itl_bounds=array("d", itl._upper_bounds),
                 observe_tpot=fast_observe(self.tpot.labels(model, endpoint)),
                 observe_prompt_tokens=fast_observe(self.prompt_tokens.labels(model, endpoint)),
                 observe_output_tokens=fast_observe(self.output_tokens.labels(model, endpoint)),

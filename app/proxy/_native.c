@@ -886,8 +886,101 @@ static PyTypeObject RelayType = {
     .tp_methods = Relay_methods,
 };
 
+/* -- Python: the replay's arithmetic ------------------------------------------------------ */
+
+/* The first bucket whose upper bound holds `x` (bisect_left over sorted bounds). */
+static Py_ssize_t bucket_of(const double *b, Py_ssize_t nb, double x) {
+    Py_ssize_t lo = 0, hi = nb;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (b[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* replay_exact(events, seen, last, largest, total, bounds, exemplars): what
+ * `itl_replay.replay_py` computes (its docstring says what each value is), the same doubles
+ * by the same operations in the same order. */
+static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_buffer ev, bd;
+    long long seen, last;
+    double largest, total;
+    int exemplars;
+    if (!PyArg_ParseTuple(args, "y*LLddy*p", &ev, &seen, &last, &largest, &total, &bd,
+                          &exemplars))
+        return NULL;
+    PyObject *samples = NULL, *marked = NULL, *counts = NULL, *result = NULL;
+    int64_t *tally = NULL;
+    if (ev.len % 24 != 0 || bd.len % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "events are int64 triples and bounds doubles");
+        goto done;
+    }
+    const int64_t *e = ev.buf;
+    const double *b = bd.buf;
+    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, plain = 0;
+    double plain_sum = 0.0;
+    tally = calloc((size_t)(nb ? nb : 1), sizeof *tally);
+    samples = PyList_New(0);
+    marked = PyList_New(0);
+    if (tally == NULL || samples == NULL || marked == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t completion = e[3 * i + 1], tokens = completion - seen;
+        if (tokens <= 0) continue;
+        double gap = (double)(e[3 * i] - last) / 1e9 / (double)tokens;
+        seen = completion;
+        last = e[3 * i];
+        total += gap * (double)tokens;
+        PyObject *g = PyFloat_FromDouble(gap);
+        if (g == NULL) goto done;
+        for (int64_t k = 0; k < tokens; k++) {
+            if (PyList_Append(samples, g) < 0) { Py_DECREF(g); goto done; }
+        }
+        int64_t into_plain = tokens;
+        if (gap > largest) {
+            largest = gap;
+            if (exemplars) {
+                if (PyList_Append(marked, g) < 0) { Py_DECREF(g); goto done; }
+                into_plain = tokens - 1;
+            }
+        }
+        Py_DECREF(g);
+        if (into_plain > 0 && nb > 0) {
+            tally[bucket_of(b, nb, gap)] += into_plain;
+            for (int64_t k = 0; k < into_plain; k++) plain_sum += gap;  /* as sum() adds */
+            plain += into_plain;
+        }
+    }
+    if (plain > 0) {
+        counts = PyList_New(0);
+        if (counts == NULL) goto done;
+        for (Py_ssize_t i = 0; i < nb; i++) {
+            if (tally[i] == 0) continue;
+            PyObject *pair = Py_BuildValue("(nL)", i, (long long)tally[i]);
+            if (pair == NULL || PyList_Append(counts, pair) < 0) { Py_XDECREF(pair); goto done; }
+            Py_DECREF(pair);
+        }
+    } else {
+        counts = Py_NewRef(Py_None);
+    }
+    result = Py_BuildValue("(OOdOLLd)", samples, counts, plain_sum, marked, seen, last, total);
+done:
+    Py_XDECREF(samples);
+    Py_XDECREF(marked);
+    Py_XDECREF(counts);
+    free(tally);
+    PyBuffer_Release(&ev);
+    PyBuffer_Release(&bd);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"replay_exact", replay_exact, METH_VARARGS, NULL},
+    {NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_native", "The relay's native leg (see native.py).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_native", "The relay's native leg (see native.py).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -296,7 +296,8 @@ class Exchange:
             self.label = ctx.labels.label(self._plan.model, True)
             bound = ctx.metrics.bind(self.label, self._record.endpoint)
             timing.observe_ttft, timing.observe_itl = bound.observe_ttft, bound.observe_itl
-            timing.observe_itl_many = bound.observe_itl_many
+            timing.observe_itl_counts = bound.observe_itl_counts
+            timing.itl_bounds = bound.itl_bounds
             if ctx.exemplars:
                 trace = self._trace
                 timing.exemplar = request_exemplar(

@@ -40,12 +40,12 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from phasewatch.core.metrics import Exemplar, Observe, ObserveMany
+from phasewatch.core.metrics import Exemplar, Observe, ObserveCounts
 from phasewatch.proxy.gap_summary import GapSummary, Summary
+from phasewatch.proxy.itl_replay import replay_exact
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _nowhere(_: float, __: Exemplar | None = None) -> None:
     pass
 
 
-def _nowhere_many(_: list[float]) -> None:
+def _nowhere_counts(_: list[tuple[int, int]], __: float) -> None:
     pass
 
 
@@ -80,7 +80,9 @@ class StreamTiming:
     # Where TTFT and ITL samples go as they are measured (the relay binds the histograms).
     observe_ttft: Observe = _nowhere
     observe_itl: Observe = _nowhere
-    observe_itl_many: ObserveMany = _nowhere_many  # the ITL histogram, many at once
+    observe_itl_counts: ObserveCounts = _nowhere_counts  # the ITL histogram, many at once
+    # The ITL histogram's upper bounds, for `observe_itl_counts` (none: nothing observed).
+    itl_bounds: array[float] = field(default_factory=lambda: array("d"))
     exemplar: Exemplar | None = None  # None: no exemplars
     counting: Counting = Counting.PENDING
     first_output_ns: int | None = None
@@ -126,10 +128,11 @@ class StreamTiming:
                 self.overflow += 1
                 self._itl((now_ns - last) / NS, 1)
 
-    def exact_events(self, logged: Sequence[int]) -> None:
+    def exact_events(self, logged: array[int]) -> None:
         """Events of an exactly counted stream as (read time, completion tokens, prompt tokens
-        or -1) triples (the native leg's log, native.py): what `event()` on each in turn with
-        its usage would do, in one pass, the exemplar-less ITL samples observed together."""
+        or -1) triples (the native leg's log, native.py; an array of int64): what `event()` on
+        each in turn with its usage would do, in one pass (itl_replay.py), the exemplar-less
+        ITL samples observed together, as counts per bucket."""
         if self.counting is not Counting.EXACT:
             for i in range(0, len(logged), 3):
                 self.completion_tokens = logged[i + 1]
@@ -138,44 +141,25 @@ class StreamTiming:
             return
         if not logged:
             return
-        seen, last, gaps, exemplar = self.tokens_seen, self.last_output_ns, self.gaps, self.exemplar
-        assert last is not None
-        # Every token's gap in order (the stream's summary) and those observed together.
-        largest, total, samples, plain = gaps.largest, gaps.total, [], []
-        for i in range(0, len(logged), 3):
-            completion = logged[i + 1]
-            tokens = completion - seen
-            if tokens <= 0:
-                continue
-            now_ns = logged[i]
-            gap_s = (now_ns - last) / NS / tokens
-            seen, last = completion, now_ns
-            total += gap_s * tokens  # as `GapSummary.add` sums, to the bit
-            if tokens == 1:
-                samples.append(gap_s)
-            else:
-                samples.extend([gap_s] * tokens)
-            if gap_s > largest:
-                largest = gap_s
-                if exemplar is not None:
-                    try:  # the stream's largest gap so far carries the exemplar, as in `_itl`
-                        self.observe_itl(gap_s, exemplar)
-                    except Exception:  # metrics must never break a stream
-                        log.exception("could not observe an ITL")
-                    plain.extend([gap_s] * (tokens - 1))
-                    continue
-            if tokens == 1:
-                plain.append(gap_s)
-            else:
-                plain.extend([gap_s] * tokens)
+        gaps, exemplar = self.gaps, self.exemplar
+        assert self.last_output_ns is not None
+        samples, counts, plain_sum, marked, seen, last, total = replay_exact(
+            logged, self.tokens_seen, self.last_output_ns, gaps.largest, gaps.total,
+            self.itl_bounds, exemplar is not None)
+        for gap_s in marked:  # each the stream's largest gap so far: it carries the exemplar
+            try:
+                self.observe_itl(gap_s, exemplar)
+            except Exception:  # metrics must never break a stream
+                log.exception("could not observe an ITL")
         gaps.extend(samples, total)
         self.tokens_seen, self.last_output_ns = seen, last
         self.completion_tokens = logged[-2]
         self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None
-        try:
-            self.observe_itl_many(plain)
-        except Exception:  # metrics must never break a stream
-            log.exception("could not observe an ITL")
+        if counts is not None:
+            try:
+                self.observe_itl_counts(counts, plain_sum)
+            except Exception:  # metrics must never break a stream
+                log.exception("could not observe an ITL")
 
     def _first(self, now_ns: int, cumulative: int | None, chars: int) -> None:
         if cumulative is not None and self.single_choice:

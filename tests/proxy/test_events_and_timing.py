@@ -21,6 +21,8 @@ from phasewatch.core.events import (
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.quantiles import percentile
 from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.proxy import itl_replay
+from phasewatch.proxy import timing as timing_module
 from phasewatch.proxy.gap_summary import GapSummary
 from phasewatch.proxy.request_plan import plan_request
 from phasewatch.proxy.stream import StreamFeed
@@ -289,10 +291,20 @@ def test_exemplars_go_with_the_ttft_and_each_new_largest_gap_only() -> None:
     assert len(quiet) == 2 and quiet.exemplars == []
 
 
-def test_exact_events_in_one_pass_leave_what_event_by_event_leaves() -> None:
-    """The native leg's replay (`exact_events`) against `event()` on each logged event: the
-    same timing, record figures and Prometheus histogram (buckets, count, exemplars; the sum
-    to rounding), through events without a new token and events of several."""
+REPLAYS = [pytest.param(itl_replay.replay_py, id="python")]
+if itl_replay.replay_exact is not itl_replay.replay_py:
+    REPLAYS.append(pytest.param(itl_replay.replay_exact, id="extension"))
+
+
+@pytest.mark.parametrize("replay", REPLAYS)
+@pytest.mark.parametrize("exemplar", [{"request_id": "r1"}, None], ids=["exemplar", "none"])
+def test_exact_events_in_one_pass_leave_what_event_by_event_leaves(
+        replay: Any, exemplar: Exemplar | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native leg's replay (`exact_events`, in the extension and in Python) against
+    `event()` on each logged event: the same timing, record figures and Prometheus histogram
+    (buckets, count, exemplars; the sum to rounding), through events without a new token and
+    events of several."""
+    monkeypatch.setattr(timing_module, "replay_exact", replay)
     rng = random.Random(7)
     log: list[int] = []
     at, count = 100 * MS, 1
@@ -306,8 +318,9 @@ def test_exact_events_in_one_pass_leave_what_event_by_event_leaves() -> None:
     for m in metrics:
         bound = m.bind("m", "completions")
         t = StreamTiming(arrival_ns=0, observe_ttft=bound.observe_ttft,
-                         observe_itl=bound.observe_itl, observe_itl_many=bound.observe_itl_many,
-                         exemplar={"request_id": "r1"})
+                         observe_itl=bound.observe_itl,
+                         observe_itl_counts=bound.observe_itl_counts, itl_bounds=bound.itl_bounds,
+                         exemplar=exemplar)
         t.completion_tokens, t.prompt_tokens = 1, 7
         t.event(100 * MS, 1, 1)
         timings.append(t)
@@ -406,3 +419,28 @@ def test_plan_leaves_non_streaming_and_non_json_bodies_alone() -> None:
     assert plan_request(body, True).body is body
     assert plan_request(b"{not json", True).body == b"{not json"
     assert plan_request(b'{"stream":true,"stream_options":"bad"}', True).strip_final_usage is False
+
+
+@pytest.mark.skipif(itl_replay.replay_exact is itl_replay.replay_py,
+                    reason="the extension is not built here")
+@pytest.mark.parametrize("exemplars", [True, False])
+def test_the_extensions_replay_is_the_python_replay_to_the_bit(exemplars: bool) -> None:
+    """`replay_exact` (C) returns exactly what `replay_py` returns, every double equal, from
+    random logs: gaps of zero and on a bucket's bound, counts that stand still or jump, times
+    that go back."""
+    rng = random.Random(11)
+    bounds = array("d", [0.001, 0.005, 0.0125, 0.02, 0.05, 0.1, 0.25, 1.0, float("inf")])
+    for _ in range(200):
+        at, count = rng.randrange(1 << 40), rng.randrange(3)
+        log = array("q")
+        for _ in range(rng.randrange(40)):
+            # Some gaps fall exactly on a bucket's bound (1, 5 and 20 ms after one token).
+            at += rng.choice((0, 1, 999, 10**6, 5 * 10**6, 20 * 10**6, 37 * 10**6, -5))
+            at += rng.choice((0, rng.randrange(1000)))
+            count += rng.choice((0, 1, 1, 2, 7, -1))
+            log.extend((at, count, rng.choice((3, -1))))
+        args = (log, rng.randrange(3), at - rng.randrange(10**8), rng.random() / 10,
+                rng.random(), bounds, exemplars)
+        assert itl_replay.replay_exact(*args) == itl_replay.replay_py(*args)
+    with pytest.raises(ValueError):
+        itl_replay.replay_exact(b"\0" * 23, 0, 0, 0.0, 0.0, bounds, False)

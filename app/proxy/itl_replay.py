@@ -1,0 +1,71 @@
+"""The arithmetic of replaying a native stream's logged events (timing.py `exact_events`).
+
+The native leg logs each running token chunk as (read time, completion tokens, prompt tokens);
+the replay turns a batch of them into token gaps, as `StreamTiming.event` would have one event
+at a time. This is the per-chunk part of the replay, so it runs in the extension (`_native.c`
+`replay_exact`) where that is built; `replay_py` is the same arithmetic in Python, the
+reference the tests hold the extension to, and what runs where the extension is not built.
+
+Both return, for events of an exactly counted stream whose running count stood at `seen` and
+last rose at `last` (ns), with the stream's largest gap and gap total so far:
+- `samples`: one gap per token, in order (seconds; an event of k tokens gives k of gap / k);
+- `counts`: (bucket index, count) of the samples observed without an exemplar, for each
+  bucket of the ITL histogram (`bounds`, its upper bounds) that one fell in, in the buckets'
+  order; None when there are none;
+- `plain_sum`: those samples' sum, added one by one in order, as `sum()` adds;
+- `marked`: the gaps that were the stream's largest so far when they came, one sample each,
+  to be observed with the exemplar (only when `exemplars`; else they are counted too);
+- the running count, the time it last rose, and the new gap total (summed as `GapSummary.add`
+  sums, gap x tokens per event).
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable
+from importlib import import_module
+
+NS = 1_000_000_000
+
+Replayed = tuple[list[float], list[tuple[int, int]] | None, float, list[float], int, int,
+                 float]
+Replay = Callable[["array[int]", int, int, float, float, "array[float]", bool], Replayed]
+
+
+def replay_py(events: array[int], seen: int, last: int, largest: float, total: float,
+              bounds: array[float], exemplars: bool) -> Replayed:
+    samples: list[float] = []
+    marked: list[float] = []
+    counts = [0] * len(bounds)
+    plain_sum, plain = 0.0, 0
+    for i in range(0, len(events), 3):
+        completion = events[i + 1]
+        tokens = completion - seen
+        if tokens <= 0:
+            continue
+        now_ns = events[i]
+        gap_s = (now_ns - last) / NS / tokens
+        seen, last = completion, now_ns
+        total += gap_s * tokens
+        samples.extend([gap_s] * tokens)
+        into_plain = tokens
+        if gap_s > largest:
+            largest = gap_s
+            if exemplars:
+                marked.append(gap_s)
+                into_plain = tokens - 1
+        if into_plain > 0 and bounds:
+            counts[bisect_left(bounds, gap_s)] += into_plain
+            for _ in range(into_plain):
+                plain_sum += gap_s
+            plain += into_plain
+    tallied = [(index, count) for index, count in enumerate(counts) if count]
+    return samples, (tallied if plain else None), plain_sum, marked, seen, last, total
+
+
+replay_exact: Replay
+try:
+    replay_exact = import_module("phasewatch.proxy._native").replay_exact
+except ImportError:  # not built here: the same arithmetic in Python
+    replay_exact = replay_py
