@@ -36,6 +36,17 @@ def test_proxy_ab_quick(tmp_path: Path) -> None:
     assert isinstance(summary, dict) and summary["errors"] == 0 and summary["cpu_ratio"] > 0
 
 
+def test_opcode_census_quick(tmp_path: Path) -> None:
+    result = run("opcode_census.py", tmp_path)
+    requests, per_request = result["requests"], result["opcodes_per_request"]
+    assert isinstance(requests, int) and requests > 0
+    assert isinstance(per_request, float) and per_request > 0
+    functions = result["functions"]
+    assert isinstance(functions, list) and functions
+    # The relay's own code is traced (the sitecustomize reached phasewatch's process).
+    assert any(str(f["where"]).startswith("phasewatch/proxy/") for f in functions)
+
+
 def test_store_scale_quick(tmp_path: Path) -> None:
     result = run("store_scale.py", tmp_path)
     writer, stats = result["writer"], result["stats"]
