@@ -34,9 +34,10 @@ class Observe(Protocol):
     def __call__(self, amount: float, exemplar: Exemplar | None = None, /) -> None: ...
 
 
-# Observations made together, none with an exemplar: (bucket index, how many fell in it) for
-# the buckets they fell in, and their sum.
-ObserveCounts = Callable[[list[tuple[int, int]], float], None]
+# Observations made together: (bucket index, how many fell in it) for the buckets they fell
+# in, their sum, and (bucket index, value) for each bucket whose exemplar one of them sets.
+ObserveCounts = Callable[[list[tuple[int, int]], float, list[tuple[int, float]],
+                          Exemplar | None], None]
 
 
 # TTFT spans an idle prefill (milliseconds) to a deep queue (minutes).
@@ -113,16 +114,22 @@ def fast_observe(child: Histogram) -> Observe:
 
 
 def fast_observe_counts(child: Histogram) -> ObserveCounts:
-    """Observations without exemplars made together (the native leg's replay, timing.py),
-    counted per bucket by the caller against `child._upper_bounds`: each bucket and the sum
-    are incremented once, leaving what as many `observe` calls leave, the sum to within
-    rounding in its last bits (it adds their total)."""
+    """Observations made together (the native leg's replay, timing.py), counted per bucket by
+    the caller against `child._upper_bounds`: each bucket and the sum are incremented once,
+    and each exemplar set once, leaving what as many `observe` calls leave, the sum to within
+    rounding in its last bits (it adds their total) and the exemplars' times within the call."""
     _, increments, add_to_sum = _parts(child)
+    set_exemplar = [bucket.set_exemplar for bucket in child._buckets]
 
-    def observe_counts(counts: list[tuple[int, int]], total: float) -> None:
+    def observe_counts(counts: list[tuple[int, int]], total: float,
+                       marked: list[tuple[int, float]], exemplar: Exemplar | None) -> None:
         for index, count in counts:
             increments[index](count)
         add_to_sum(total)
+        if exemplar and marked:
+            now = time.time()
+            for index, amount in marked:
+                set_exemplar[index](SampledExemplar(exemplar, amount, now))
 
     return observe_counts
 

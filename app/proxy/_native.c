@@ -39,6 +39,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -911,18 +912,20 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         return NULL;
     PyObject *samples = NULL, *marked = NULL, *counts = NULL, *result = NULL;
     int64_t *tally = NULL;
+    double *mark = NULL;  /* per bucket: the last gap that was the largest so far (NaN: none) */
     if (ev.len % 24 != 0 || bd.len % 8 != 0) {
         PyErr_SetString(PyExc_ValueError, "events are int64 triples and bounds doubles");
         goto done;
     }
     const int64_t *e = ev.buf;
     const double *b = bd.buf;
-    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, plain = 0;
-    double plain_sum = 0.0;
+    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, observed = 0;
+    double sum = 0.0;
     tally = calloc((size_t)(nb ? nb : 1), sizeof *tally);
+    mark = malloc((size_t)(nb ? nb : 1) * sizeof *mark);
     samples = PyList_New(0);
-    marked = PyList_New(0);
-    if (tally == NULL || samples == NULL || marked == NULL) { PyErr_NoMemory(); goto done; }
+    if (tally == NULL || mark == NULL || samples == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < nb; i++) mark[i] = NAN;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t completion = e[3 * i + 1], tokens = completion - seen;
         if (tokens <= 0) continue;
@@ -935,39 +938,51 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         for (int64_t k = 0; k < tokens; k++) {
             if (PyList_Append(samples, g) < 0) { Py_DECREF(g); goto done; }
         }
-        int64_t into_plain = tokens;
+        Py_DECREF(g);
+        if (nb == 0) continue;
+        Py_ssize_t bucket = bucket_of(b, nb, gap);
+        tally[bucket] += tokens;
+        for (int64_t k = 0; k < tokens; k++) sum += gap;  /* one by one, as sum() adds */
+        observed += tokens;
         if (gap > largest) {
             largest = gap;
-            if (exemplars) {
-                if (PyList_Append(marked, g) < 0) { Py_DECREF(g); goto done; }
-                into_plain = tokens - 1;
-            }
-        }
-        Py_DECREF(g);
-        if (into_plain > 0 && nb > 0) {
-            tally[bucket_of(b, nb, gap)] += into_plain;
-            for (int64_t k = 0; k < into_plain; k++) plain_sum += gap;  /* as sum() adds */
-            plain += into_plain;
+            if (exemplars) mark[bucket] = gap;
         }
     }
-    if (plain > 0) {
+    if (observed > 0) {
         counts = PyList_New(0);
-        if (counts == NULL) goto done;
+        marked = PyList_New(0);
+        if (counts == NULL || marked == NULL) goto done;
         for (Py_ssize_t i = 0; i < nb; i++) {
-            if (tally[i] == 0) continue;
-            PyObject *pair = Py_BuildValue("(nL)", i, (long long)tally[i]);
-            if (pair == NULL || PyList_Append(counts, pair) < 0) { Py_XDECREF(pair); goto done; }
-            Py_DECREF(pair);
+            if (tally[i] > 0) {
+                PyObject *pair = Py_BuildValue("(nL)", i, (long long)tally[i]);
+                if (pair == NULL || PyList_Append(counts, pair) < 0) {
+                    Py_XDECREF(pair);
+                    goto done;
+                }
+                Py_DECREF(pair);
+            }
+            if (!isnan(mark[i])) {
+                PyObject *pair = Py_BuildValue("(nd)", i, mark[i]);
+                if (pair == NULL || PyList_Append(marked, pair) < 0) {
+                    Py_XDECREF(pair);
+                    goto done;
+                }
+                Py_DECREF(pair);
+            }
         }
     } else {
         counts = Py_NewRef(Py_None);
+        marked = PyList_New(0);
+        if (marked == NULL) goto done;
     }
-    result = Py_BuildValue("(OOdOLLd)", samples, counts, plain_sum, marked, seen, last, total);
+    result = Py_BuildValue("(OOdOLLd)", samples, counts, sum, marked, seen, last, total);
 done:
     Py_XDECREF(samples);
     Py_XDECREF(marked);
     Py_XDECREF(counts);
     free(tally);
+    free(mark);
     PyBuffer_Release(&ev);
     PyBuffer_Release(&bd);
     return result;

@@ -9,12 +9,14 @@ reference the tests hold the extension to, and what runs where the extension is 
 Both return, for events of an exactly counted stream whose running count stood at `seen` and
 last rose at `last` (ns), with the stream's largest gap and gap total so far:
 - `samples`: one gap per token, in order (seconds; an event of k tokens gives k of gap / k);
-- `counts`: (bucket index, count) of the samples observed without an exemplar, for each
-  bucket of the ITL histogram (`bounds`, its upper bounds) that one fell in, in the buckets'
-  order; None when there are none;
-- `plain_sum`: those samples' sum, added one by one in order, as `sum()` adds;
-- `marked`: the gaps that were the stream's largest so far when they came, one sample each,
-  to be observed with the exemplar (only when `exemplars`; else they are counted too);
+- `counts`: (bucket index, count) of those samples for each bucket of the ITL histogram
+  (`bounds`, its upper bounds) that one fell in, in the buckets' order; None when there are
+  no samples or no bounds;
+- `sample_sum`: the samples' sum, added one by one in order, as `sum()` adds;
+- `marked`: (bucket index, gap) for each bucket whose exemplar these samples set (only when
+  `exemplars`): the last gap in it that was the stream's largest so far when it came. A
+  stream's exemplar goes with each such gap (timing.py), and of several in one bucket the last
+  is the one a scrape would see;
 - the running count, the time it last rose, and the new gap total (summed as `GapSummary.add`
   sums, gap x tokens per event).
 """
@@ -28,17 +30,17 @@ from importlib import import_module
 
 NS = 1_000_000_000
 
-Replayed = tuple[list[float], list[tuple[int, int]] | None, float, list[float], int, int,
-                 float]
+Replayed = tuple[list[float], list[tuple[int, int]] | None, float, list[tuple[int, float]], int,
+                 int, float]
 Replay = Callable[["array[int]", int, int, float, float, "array[float]", bool], Replayed]
 
 
 def replay_py(events: array[int], seen: int, last: int, largest: float, total: float,
               bounds: array[float], exemplars: bool) -> Replayed:
     samples: list[float] = []
-    marked: list[float] = []
     counts = [0] * len(bounds)
-    plain_sum, plain = 0.0, 0
+    marks: dict[int, float] = {}
+    sample_sum = 0.0
     for i in range(0, len(events), 3):
         completion = events[i + 1]
         tokens = completion - seen
@@ -49,22 +51,22 @@ def replay_py(events: array[int], seen: int, last: int, largest: float, total: f
         seen, last = completion, now_ns
         total += gap_s * tokens
         samples.extend([gap_s] * tokens)
-        into_plain = tokens
+        if not bounds:
+            continue
+        bucket = bisect_left(bounds, gap_s)
+        counts[bucket] += tokens
+        for _ in range(tokens):
+            sample_sum += gap_s
         if gap_s > largest:
             largest = gap_s
             if exemplars:
-                marked.append(gap_s)
-                into_plain = tokens - 1
-        if into_plain > 0 and bounds:
-            counts[bisect_left(bounds, gap_s)] += into_plain
-            for _ in range(into_plain):
-                plain_sum += gap_s
-            plain += into_plain
+                marks[bucket] = gap_s
+    if not samples or not bounds:
+        return samples, None, 0.0, [], seen, last, total
     tallied = [(index, count) for index, count in enumerate(counts) if count]
-    return samples, (tallied if plain else None), plain_sum, marked, seen, last, total
+    return samples, tallied, sample_sum, sorted(marks.items()), seen, last, total
 
 
-replay_exact: Replay
 try:
     replay_exact = import_module("phasewatch.proxy._native").replay_exact
 except ImportError:  # not built here: the same arithmetic in Python

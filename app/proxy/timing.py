@@ -61,7 +61,8 @@ def _nowhere(_: float, __: Exemplar | None = None) -> None:
     pass
 
 
-def _nowhere_counts(_: list[tuple[int, int]], __: float) -> None:
+def _nowhere_counts(_: list[tuple[int, int]], __: float, ___: list[tuple[int, float]],
+                    ____: Exemplar | None) -> None:
     pass
 
 
@@ -131,8 +132,9 @@ class StreamTiming:
     def exact_events(self, logged: array[int]) -> None:
         """Events of an exactly counted stream as (read time, completion tokens, prompt tokens
         or -1) triples (the native leg's log, native.py; an array of int64): what `event()` on
-        each in turn with its usage would do, in one pass (itl_replay.py), the exemplar-less
-        ITL samples observed together, as counts per bucket."""
+        each in turn with its usage would do, in one pass (itl_replay.py): the ITL samples
+        observed together as counts per bucket, the exemplar set where `_itl` would have set
+        it last."""
         if self.counting is not Counting.EXACT:
             for i in range(0, len(logged), 3):
                 self.completion_tokens = logged[i + 1]
@@ -143,21 +145,16 @@ class StreamTiming:
             return
         gaps, exemplar = self.gaps, self.exemplar
         assert self.last_output_ns is not None
-        samples, counts, plain_sum, marked, seen, last, total = replay_exact(
+        samples, counts, sample_sum, marked, seen, last, total = replay_exact(
             logged, self.tokens_seen, self.last_output_ns, gaps.largest, gaps.total,
             self.itl_bounds, exemplar is not None)
-        for gap_s in marked:  # each the stream's largest gap so far: it carries the exemplar
-            try:
-                self.observe_itl(gap_s, exemplar)
-            except Exception:  # metrics must never break a stream
-                log.exception("could not observe an ITL")
         gaps.extend(samples, total)
         self.tokens_seen, self.last_output_ns = seen, last
         self.completion_tokens = logged[-2]
         self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None
         if counts is not None:
             try:
-                self.observe_itl_counts(counts, plain_sum)
+                self.observe_itl_counts(counts, sample_sum, marked, exemplar)
             except Exception:  # metrics must never break a stream
                 log.exception("could not observe an ITL")
 

@@ -312,6 +312,10 @@ def test_exact_events_in_one_pass_leave_what_event_by_event_leaves(
         at += rng.choice((0, 1, 3, 12, 40, 250)) * MS + rng.randrange(MS)
         count += rng.choice((0, 1, 1, 1, 2, 5))
         log += [at, count, rng.choice((7, -1))]
+    # Last, two gaps in one bucket (0.5-0.75 s), each the largest so far: the bucket's
+    # exemplar is the later one's.
+    log += [at + 600 * MS, count + 1, 7, at + 1300 * MS, count + 2, 7]
+    at, count = at + 1300 * MS, count + 2
     metrics = [ProxyMetrics(CollectorRegistry(), slo_ttft_s=0.5, slo_itl_s=0.0125)
                for _ in range(2)]
     timings = []
@@ -338,7 +342,8 @@ def test_exact_events_in_one_pass_leave_what_event_by_event_leaves(
         one_by_one.tokens_seen, one_by_one.prompt_tokens, one_by_one.completion_tokens)
 
     def exposed(m: ProxyMetrics) -> list[tuple[str, dict[str, str], float, Any]]:
-        return [(s.name, s.labels, s.value, s.exemplar and s.exemplar.labels)
+        return [(s.name, s.labels, s.value,
+                 s.exemplar and (s.exemplar.labels, s.exemplar.value))
                 for family in m.itl.collect() for s in family.samples
                 if not s.name.endswith(("_created", "_sum"))]
 
@@ -347,6 +352,11 @@ def test_exact_events_in_one_pass_leave_what_event_by_event_leaves(
                     if s.name.endswith("_sum"))
 
     assert exposed(metrics[1]) == exposed(metrics[0])
+    with_exemplars = [sample for sample in exposed(metrics[0]) if sample[3]]
+    if exemplar is None:
+        assert not with_exemplars
+    else:
+        assert len(with_exemplars) > 1  # several buckets had a stream's largest gap so far
     assert sum_of(metrics[1]) == pytest.approx(sum_of(metrics[0]), rel=1e-12)
     assert one_by_one.gaps.count == count - 1 > 3000
 
