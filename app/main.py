@@ -22,6 +22,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -157,6 +158,8 @@ def create_app(
         live = LiveStreams(settings.upstream_idle_timeout_s, settings.stall_threshold_s,
                            LiveGauges(registry), settings.live_snapshot_max_requests,
                            settings.client_stall_timeout_s)
+        # A scrape of this process counts every token relayed before it (app/proxy/live.py).
+        exposition.before_render = partial(live.refresh, full=True)
         app.state.proxy = ProxyContext(
             settings=settings,
             session=session,
@@ -226,6 +229,7 @@ def create_app(
             yield {SHUTDOWN_HOOK: shutdown.begin}
         finally:
             shutdown.uninstall()
+            exposition.before_render = None
             shutdown.end_streams()  # none should be left by now; none may outlive the app
             if app.state.proxy.native is not None:
                 app.state.proxy.native.close()

@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, values
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+log = logging.getLogger(__name__)
 
 # Formats (content types, as `Accept` chose them) kept rendered; others get the text format.
 MAX_FORMATS = 4
@@ -96,7 +100,10 @@ class Exposition:
     a worker thread, never on the relay's event loop; one render per format at a time, shared
     by every scrape that arrives while it runs; and reused for `max_age_s` after it started,
     so a storm of scrapers costs at most one render per format per `max_age_s` however many
-    there are (rendering walks every series under the GIL).
+    there are (rendering walks every series under the GIL). Before each render it awaits
+    `before_render`, if set: the app's live registry bringing the streams the native leg holds
+    up to date (app/proxy/live.py), so a render counts every token relayed before it. A fault
+    there is logged and the render goes on with what is recorded.
     """
 
     def __init__(self, registry: CollectorRegistry, multiprocess_dir: Path | None,
@@ -104,6 +111,7 @@ class Exposition:
         self.multiprocess_dir = multiprocess_dir
         self.max_age_s = max_age_s
         self._formats: dict[str, _Rendered] = {}  # by content type: two at most
+        self.before_render: Callable[[], Awaitable[None]] | None = None
         if multiprocess_dir is None:
             self._registry = registry
         else:
@@ -143,9 +151,19 @@ class Exposition:
         # One scraper leaving cancels no render.
         return await asyncio.shield(rendered.rendering), content_type
 
+    async def _bring_up_to_date(self) -> None:
+        before = self.before_render
+        if before is None:
+            return
+        try:
+            await before()
+        except Exception:  # a scrape is served with what is recorded
+            log.exception("could not bring the live streams up to date before a scrape")
+
     async def _render(self, rendered: _Rendered, accept: str) -> bytes:
         try:
             started = time.monotonic()
+            await self._bring_up_to_date()
             data = await asyncio.to_thread(self.render, accept)
             rendered.data, rendered.at = data, started
             return data

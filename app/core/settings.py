@@ -140,7 +140,9 @@ class Settings(BaseSettings):
     # Live snapshots (requests still in flight) count when taken this long before `until`.
     diagnosis_live_max_age_s: float = Field(default=10.0, gt=0)
     # Every process publishes its requests in flight this often (0: never), at most this many.
-    live_snapshot_interval_s: float = Field(default=2.0, ge=0)
+    # Half the schedule's interval: each round reads a snapshot at most that old. A snapshot
+    # costs each open stream's figures, so at a thousand streams it is worth not taking more.
+    live_snapshot_interval_s: float = Field(default=5.0, ge=0)
     live_snapshot_max_requests: int = Field(default=1000, ge=1)
     # Timed requests each side needs before anything is judged (else "insufficient data").
     diagnosis_min_samples: int = Field(default=20, ge=5)

@@ -667,6 +667,18 @@ static PyObject *Stream_poll(Stream *s, PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("(NLL)", events, (long long)last, (long long)blocked);
 }
 
+static PyObject *Stream_clocks(Stream *s, PyObject *Py_UNUSED(ignored)) {
+    /* (last read, blocked since), as `poll` gives them, leaving the logged events where they
+     * are: what the live registry's timeouts read on a pass that replays nothing. */
+    Relay *r = s->relay;
+    int64_t last, blocked;
+    pthread_mutex_lock(&r->lock);
+    last = s->last_read_ns;
+    blocked = s->blocked_since_ns;
+    pthread_mutex_unlock(&r->lock);
+    return Py_BuildValue("(LL)", (long long)last, (long long)blocked);
+}
+
 static PyObject *Stream_stop(Stream *s, PyObject *Py_UNUSED(ignored)) {
     Relay *r = s->relay;
     pthread_mutex_lock(&r->lock);
@@ -719,6 +731,7 @@ static PyGetSetDef Stream_getset[] = {
 
 static PyMethodDef Stream_methods[] = {
     {"poll", (PyCFunction)Stream_poll, METH_NOARGS, NULL},
+    {"clocks", (PyCFunction)Stream_clocks, METH_NOARGS, NULL},
     {"stop", (PyCFunction)Stream_stop, METH_NOARGS, NULL},
     {NULL},
 };

@@ -15,7 +15,11 @@ client stall / 4)`), one pass over them:
 `snapshot()` gives the open streams as `InFlight` values for the diagnosis.
 
 Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
-held by the native leg catches up at the start of each pass (`refresh`, native.py).
+held by the native leg catches up at the start of each pass (`refresh`, native.py): its clocks
+on every pass, its timing (the replay of what the thread relayed: the ITL observations) once
+`REPLAY_S` have gone by since its last, and all of them before a snapshot and before each
+render of `/metrics` (`refresh(full=True)`). A replay costs several times the clocks, and a
+thousand open streams would otherwise replay every second whatever reads them.
 
 The per-stream work of a pass and of a snapshot (a replay, a stream's figures) is done
 `SLICE` streams at a time, yielding to the event loop between slices: with a thousand open
@@ -38,6 +42,7 @@ from phasewatch.core.live import InFlight, LiveCounts
 
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
+REPLAY_S = 5.0  # a pass replays a native stream's log this long after its last replay
 
 
 class Watched(Protocol):
@@ -46,8 +51,9 @@ class Watched(Protocol):
     last_read_ns: int  # perf_counter_ns() of the upstream's last read (or the request's arrival)
     client_blocked_ns: int  # since when the client has not taken what is written (0: it does)
 
-    def refresh(self) -> None:
-        """Bring the two clocks and the timing up to date (the native leg, native.py)."""
+    def refresh(self, now_ns: int, every_ns: int) -> None:
+        """Bring the two clocks up to date, and the timing too if its last update is `every_ns`
+        or more before `now_ns` (the native leg, native.py)."""
 
     def idle_timeout(self) -> None: ...
 
@@ -151,15 +157,17 @@ class LiveStreams:
     def forget(self, exchange: Watched) -> None:
         self._open.discard(exchange)
 
-    async def refresh(self) -> None:
-        """Bring every open exchange's clocks and timing up to date (`Watched.refresh`), a
-        slice at a time."""
+    async def refresh(self, full: bool = False) -> None:
+        """Bring every open exchange's clocks up to date, and its timing if it has not been for
+        `REPLAY_S` (`full`: every one's; `Watched.refresh`), a slice at a time."""
         exchanges = list(self._open)
+        now_ns = perf_counter_ns()
+        every_ns = 0 if full else int(REPLAY_S * NS)
         for start in range(0, len(exchanges), SLICE):
             if start:
                 await asyncio.sleep(0)
             for exchange in exchanges[start:start + SLICE]:
-                exchange.refresh()
+                exchange.refresh(now_ns, every_ns)
 
     def check(self, now_ns: int) -> int:
         """End every exchange silent past the idle timeout, or whose client has not read for
@@ -206,11 +214,13 @@ class LiveStreams:
         open_streams.sort(key=lambda ev: (ev[1].first_token_ns is not None, ev[1].arrival_ns))
         chosen = [exchange for exchange, _ in open_streams[: self.snapshot_limit]]
         values: list[InFlight] = []
+        replayed_ns = perf_counter_ns()
         for start in range(0, len(chosen), SLICE):
             if start:
                 await asyncio.sleep(0)
-            values += [exchange.in_flight(now_ns, wall_now)
-                       for exchange in chosen[start:start + SLICE]]
+            for exchange in chosen[start:start + SLICE]:
+                exchange.refresh(replayed_ns, 0)  # its gaps so far, for its ITL figures
+                values.append(exchange.in_flight(now_ns, wall_now))
         return values
 
     async def run(self) -> None:

@@ -16,11 +16,13 @@ What a client receives and every timing definition are those of the Python path:
 applies `StreamFeed`'s own tests and cuts, and the relay replays each logged (read time,
 completion tokens, prompt tokens) into the stream's `StreamTiming`, and the time of the read
 that brought `[DONE]` as the stream's end (`done_ns`). The replay runs when the stream comes
-back and on each pass of the live registry (`LiveStreams.check`, at most a second apart), so
-the ITL histogram receives a native stream's samples up to one pass late, each with its own
-time; the idle and client-stall timeouts read the thread's last read and blocked-since times
-on the same pass. A client that leaves after the thread sent `[DONE]` had its whole answer,
-as on the Python path: that cancels nothing.
+back, before each render of `/metrics` by its process and each live snapshot, and otherwise
+on a pass of the live registry once `REPLAY_S` have gone by since the last (live.py). So a
+scrape of a single process counts every token relayed before it, and under several workers
+another worker's native streams reach the ITL histogram at most `REPLAY_S` and a pass late.
+The idle and client-stall timeouts read the thread's last read and blocked-since times on
+every pass (`clocks()`, at most a second apart). A client that leaves after the thread sent
+`[DONE]` had its whole answer, as on the Python path: that cancels nothing.
 
 A terminal chunk that the Python path would hold for the usage chunk's fingerprint
 (stream.py) is held by the thread as well, until a whole chunk follows it: a usage chunk is
@@ -71,6 +73,7 @@ class Stream(Protocol):
     done_ns: int  # the time of the read that brought [DONE] (0: it has not come)
 
     def poll(self) -> tuple[bytes, int, int]: ...
+    def clocks(self) -> tuple[int, int]: ...
     def stop(self) -> None: ...
 
 

@@ -157,8 +157,8 @@ class Exchange:
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
                  "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
-                 "_pending_size", "_plan", "_prefix", "_record", "_responded", "_scope",
-                 "_status", "_task", "_timing", "_trace", "_unwritten", "_wake",
+                 "_pending_size", "_plan", "_prefix", "_record", "_replayed_ns", "_responded",
+                 "_scope", "_status", "_task", "_timing", "_trace", "_unwritten", "_wake",
                  "client_blocked_ns", "label", "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
@@ -197,6 +197,7 @@ class Exchange:
         self._end_ns = 0
         self._lost = ""
         self._native: Stream | None = None  # the native leg holds the stream (native.py)
+        self._replayed_ns = 0  # when the live registry last replayed the native leg's log
         # The native leg may not take this stream (off, or it could not take it once).
         self._native_tried = ctx.native is None
 
@@ -250,12 +251,20 @@ class Exchange:
             itl_max_s=largest, prompt_tokens=timing.prompt_tokens,
             in_flight=record.in_flight_at_arrival or 0)
 
-    def refresh(self) -> None:
-        """Called by the live registry before each pass: what the native leg has relayed since
-        the last pass goes into the timing (and the idle and stall clocks)."""
+    def refresh(self, now_ns: int, every_ns: int) -> None:
+        """Called by the live registry: the idle and stall clocks of a stream the native leg
+        holds, brought up to date; and, when its last replay is `every_ns` or more before
+        `now_ns`, what it relayed since goes into the timing (its ITL observations)."""
         stream = self._native
-        if stream is not None:
+        if stream is None:
+            return
+        if now_ns - self._replayed_ns >= every_ns:
+            self._replayed_ns = now_ns
             self._replay(stream)
+            return
+        last_read_ns, self.client_blocked_ns = stream.clocks()
+        if last_read_ns > self.last_read_ns:
+            self.last_read_ns = last_read_ns
 
     def _replay(self, stream: Stream) -> None:
         last_read_ns, blocked_ns = replay(stream, self._timing)
@@ -404,6 +413,7 @@ class Exchange:
             conn.resume_reading()
             return
         self._native = stream
+        self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
         self._ctx.metrics.native_streams.inc()
 
     def native_returned(self, stream: Stream) -> None:

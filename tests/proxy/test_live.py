@@ -16,9 +16,9 @@ import httpx
 import orjson
 
 from phasewatch.core.live import InFlight
-from phasewatch.proxy.live import SLICE, LiveStreams, LiveView, live_counts
+from phasewatch.proxy.live import REPLAY_S, SLICE, LiveStreams, LiveView, live_counts
 from tests.conftest import Proxy
-from tests.support.served import wait_for
+from tests.support.served import parse_metrics, total, wait_for
 
 LABELS = {"model": "scripted", "endpoint": "chat.completions"}
 NS = 1_000_000_000
@@ -55,7 +55,9 @@ def live(proxy: Proxy) -> LiveStreams:
 def test_ttft_and_itl_are_observed_while_the_stream_runs(proxy: Proxy) -> None:
     # First token at 50 ms, the second at 100 ms, then nothing until 3 s.
     thread = stream_in_thread(proxy, {"tokens": [[0.05, "a", 1], [0.1, "b", 1], [3.0, "c", 1]]})
-    wait_for(lambda: proxy.sample("phasewatch_inter_token_latency_seconds_count", LABELS) == 1)
+    # As a scrape sees it: before each render the streams the native leg holds are replayed.
+    wait_for(lambda: total(parse_metrics(httpx.get(proxy.url + "/metrics").text),
+                           "phasewatch_inter_token_latency_seconds_count", **LABELS) == 1)
     assert thread.is_alive()  # the stream is still open: observed as it happened
     assert proxy.sample("phasewatch_time_to_first_token_seconds_count", LABELS) == 1
     assert proxy.sample("phasewatch_request_time_per_output_token_seconds_count", LABELS) == 0
@@ -109,9 +111,11 @@ class FakeExchange:
         self.timed_out = False
         self.ended = ""
         self.refreshed = 0  # passes that brought it up to date
+        self.replay_every: list[int] = []  # each refresh's `every_ns`
 
-    def refresh(self) -> None:
+    def refresh(self, now_ns: int, every_ns: int) -> None:
         self.refreshed += 1
+        self.replay_every.append(every_ns)
 
     def idle_timeout(self) -> None:
         self.timed_out = True
@@ -171,6 +175,24 @@ def test_registry_ends_an_exchange_whose_client_stopped_reading() -> None:
     assert registry.check(65 * NS) == 0  # 55 s: within the client stall timeout
     assert registry.check(71 * NS) == 1
     assert blocked.ended == "client stalled" and reading.ended == "" and len(registry) == 1
+
+
+def test_a_pass_replays_a_native_log_only_when_due_a_snapshot_and_a_scrape_always() -> None:
+    """Every pass brings every stream's clocks up to date; its timing (the native leg's replay)
+    only once REPLAY_S have gone by since its last; a snapshot and a full refresh (before each
+    render of /metrics) replay every stream they read."""
+    async def main() -> None:
+        registry = LiveStreams(idle_s=600.0, stall_s=5.0)
+        exchanges = [FakeExchange("a", i * NS, None, last_read_ns=i * NS) for i in range(3)]
+        for exchange in exchanges:
+            registry.watch(exchange)
+        await registry.refresh()
+        assert all(e.replay_every == [int(REPLAY_S * NS)] for e in exchanges)
+        await registry.refresh(full=True)
+        await registry.snapshot(10 * NS)
+        assert all(e.replay_every == [int(REPLAY_S * NS), 0, 0] for e in exchanges)
+
+    asyncio.run(main())
 
 
 def test_a_pass_and_a_snapshot_give_the_event_loop_its_turn_between_slices() -> None:

@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from tests.conftest import Proxy
+from tests.support.served import parse_metrics, total
 
 pytest.importorskip("phasewatch.proxy._native", reason="the native relay is not built here")
 
@@ -263,6 +264,29 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream(
     assert record.outcome == "cancelled"
     assert 19 <= record.output_tokens < 5000
     assert _native_streams(proxy) >= 1
+
+
+def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    # 30 tokens, then the stream stays open. The live registry's passes replay a native
+    # stream's log only every REPLAY_S (app/proxy/live.py), so within the first seconds only
+    # the scrape's own refresh can bring these tokens into the ITL histogram.
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), 30.0,
+                           *_ending(30)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True)
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = orjson.dumps(ASK)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        seen = b""
+        while b'"content":"t30"' not in seen:  # the client has every token
+            seen += sock.recv(65536)
+        scraped = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=10).text)
+        labels = {"model": "m", "endpoint": "chat.completions"}
+        assert total(scraped, "phasewatch_inter_token_latency_seconds_count", **labels) == 29
+        assert total(scraped, "phasewatch_native_relay_streams_total") >= 1
+        assert not proxy.stored()  # the stream is still open
 
 
 def test_a_client_that_stops_reading_holds_the_upstream_back_and_loses_nothing(
