@@ -4,6 +4,12 @@ A span may hold far more requests than a diagnosis needs (an hour at 50 requests
 rows), so `read_observations` counts the span first and, past `limit`, reads an even thinning
 of it (every k-th id), which keeps the distributions and the evaluation cheap; rates are taken
 from the count, not from the rows read.
+
+The rows are read as plain tuples on the connection (not through the ORM's result machinery),
+with each arrival as POSIX seconds computed by the database (`EpochSeconds`) rather than a
+datetime parsed from SQLite's text in Python: a round reads up to two spans of `limit` rows,
+and per row those two cost more than everything else the read does (measured on 2,400 rows:
+the event loop's share 14 ms before, 4.4 ms after).
 """
 
 from __future__ import annotations
@@ -14,15 +20,42 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, Float, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from phasewatch.store.models import Diagnosis, RequestRow
 from phasewatch.store.queries import PARTITION_ROWS, page
 
+
+class EpochSeconds(FunctionElement[float]):
+    """A stored UTC datetime as POSIX seconds: the float `datetime.timestamp()` gives for it,
+    to the bit (whole microseconds over 10^6, one rounding), on both backends."""
+
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(EpochSeconds, "postgresql")
+def _epoch_postgresql(element: EpochSeconds, compiler: SQLCompiler, **kw: Any) -> str:
+    # EXTRACT gives an exact numeric (PostgreSQL 14+), rounded once to a double.
+    return f"CAST(EXTRACT(EPOCH FROM {compiler.process(element.clauses, **kw)}) AS FLOAT8)"
+
+
+@compiles(EpochSeconds, "sqlite")
+def _epoch_sqlite(element: EpochSeconds, compiler: SQLCompiler, **kw: Any) -> str:
+    # The text SQLAlchemy and the writer store: 'YYYY-MM-DD HH:MM:SS.ffffff' (UTC). The whole
+    # seconds and the microseconds apart: strftime would round the fraction to milliseconds.
+    column = compiler.process(element.clauses, **kw)
+    return (f"((CAST(strftime('%s', substr({column}, 1, 19)) AS INTEGER) * 1000000 "
+            f"+ CAST(substr({column}, 21) AS INTEGER)) / 1000000.0)")
+
+
 # What one observation needs, in this order (see app/diagnosis/observations.py).
 OBSERVATION_COLUMNS = (
-    RequestRow.started_at, RequestRow.outcome, RequestRow.ttft_s, RequestRow.e2e_s,
+    EpochSeconds(RequestRow.started_at), RequestRow.outcome, RequestRow.ttft_s, RequestRow.e2e_s,
     RequestRow.itl_count, RequestRow.itl_p50_s, RequestRow.itl_max_s, RequestRow.prompt_tokens,
     RequestRow.in_flight_at_arrival,
 )
@@ -30,7 +63,7 @@ OBSERVATION_COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class RequestSpan:
-    rows: list[tuple[Any, ...]]  # OBSERVATION_COLUMNS values, oldest first
+    rows: list[tuple[Any, ...]]  # OBSERVATION_COLUMNS values (arrival: POSIX s), oldest first
     total: int  # requests in the span (rows may be a thinning of them)
     first: datetime | None  # earliest and latest arrival among all of them
     last: datetime | None
@@ -63,7 +96,8 @@ async def read_observations(
         query = query.where(RequestRow.id % math.ceil(total / limit) == 0)
     # In partitions: the loop relays between two of them (3,000 rows at once held it ~20 ms).
     rows: list[tuple[Any, ...]] = []
-    result = await session.stream(query.execution_options(yield_per=PARTITION_ROWS))
+    connection = await session.connection()
+    result = await connection.stream(query.execution_options(yield_per=PARTITION_ROWS))
     async for part in result.partitions():
         rows.extend(tuple(row) for row in part)
     return RequestSpan(rows, int(total), first, last)

@@ -172,6 +172,31 @@ def test_a_large_span_is_read_thinned_but_counted_whole(stored: Proxy, database_
     assert 20 <= read_rows <= 40  # every 6th id: about 160 / 6
 
 
+def test_arrivals_are_read_as_the_exact_posix_seconds_of_the_stored_times(
+        make_proxy: Callable[..., Proxy], scripted_url: str, database_url: str) -> None:
+    # The database computes each arrival's POSIX seconds (store/diagnoses.py `EpochSeconds`):
+    # the same float, to the bit, as `timestamp()` of the datetime stored, whatever its
+    # microseconds (0, 999999, and values whose decimal has no exact binary form).
+    make_proxy(scripted_url, database_url=database_url, **QUIET)  # creates the schema
+    batch = rows("m", NOW - timedelta(minutes=5), 60, 40, seed=7)
+    micros = [0, 1, 999_999, 100_000, 333_333, 711_376, 500_000, 123_457]
+    for i, row in enumerate(batch):
+        row.started_at = row.started_at.replace(microsecond=micros[i % len(micros)]) \
+            + timedelta(days=i * 97, seconds=i * 3_607)
+    insert(database_url, batch)
+
+    async def read() -> list[float]:
+        engine = create_engine(database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                span = await read_observations(session, model="m", limit=1000)
+                return [row[0] for row in span.rows]
+        finally:
+            await engine.dispose()
+
+    assert asyncio.run(read()) == sorted(row.started_at.timestamp() for row in batch)
+
+
 @pytest.fixture
 def scheduled(make_proxy: Callable[..., Proxy], scripted_url: str, sqlite_url: str) -> Proxy:
     """A proxy judging every 0.2 s a 60 s window against the 10 minutes before it, with a
