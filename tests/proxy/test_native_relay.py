@@ -145,6 +145,16 @@ def _stream(url: str, body: dict[str, Any]) -> bytes:
         return b"".join(response.iter_raw())
 
 
+def _sent(proxy: Proxy) -> socket.socket:
+    """A raw connection to `proxy` on which a streamed chat request (ASK) has been sent."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    body = orjson.dumps(ASK)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                 b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+    return sock
+
+
 def _native_streams(proxy: Proxy) -> float:
     return proxy.sample("phasewatch_native_relay_streams_total")
 
@@ -251,11 +261,7 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream(
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5000),
                            *_ending(5000)]
     proxy = make_proxy(raw_upstream.url, native_relay=True)
-    host, port = proxy.url.removeprefix("http://").split(":")
-    body = orjson.dumps(ASK)
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                     b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+    with _sent(proxy) as sock:
         seen = b""
         while seen.count(b"data: ") < 20:  # well into the native leg's part
             seen += sock.recv(65536)
@@ -274,11 +280,7 @@ def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), 30.0,
                            *_ending(30)]
     proxy = make_proxy(raw_upstream.url, native_relay=True)
-    host, port = proxy.url.removeprefix("http://").split(":")
-    body = orjson.dumps(ASK)
-    with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                     b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+    with _sent(proxy) as sock:
         seen = b""
         while b'"content":"t30"' not in seen:  # the client has every token
             seen += sock.recv(65536)
