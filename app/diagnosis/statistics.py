@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress, islice
+from operator import eq, mul
 
 _LOG_4 = math.log(4.0)
 _ONE_PLUS_LOG_5 = 1.0 + math.log(5.0)
@@ -29,26 +30,34 @@ def normal_sf(z: float) -> float:
 
 
 def average_ranks(values: Sequence[float]) -> tuple[list[float], list[int]]:
-    """1-based ranks, ties given their average rank; and the size of each group of ties.
+    """1-based ranks, ties given their average rank; and the size of each group of ties (in
+    the order of their values).
 
-    Sorted twice in C (the second sort inverts the first permutation) rather than walked in
-    Python: only tied values, rare in measured times, take a Python pass."""
+    One sort in C; the ranks by sorted position, where only tied positions (found in C) take
+    a Python step each; then one pass placing each rank at its value's index. This runs a
+    dozen times per diagnosis round on up to twice `diagnosis_max_samples` values, some of
+    them integers full of ties (requests in flight, prompt tokens)."""
     n = len(values)
     order = sorted(range(n), key=values.__getitem__)
-    ranks = [p + 1.0 for p in sorted(range(n), key=order.__getitem__)]
-    counts = Counter(values)
-    if len(counts) == n:
-        return ranks, []
-    tied = {v: c for v, c in counts.items() if c > 1}
-    first: dict[float, float] = {}  # each tied value's lowest rank
-    for i in order:
-        v = values[i]
-        if v in tied and v not in first:
-            first[v] = ranks[i]
-    for i, v in enumerate(values):
-        if v in tied:
-            ranks[i] = first[v] + (tied[v] - 1) / 2.0
-    return ranks, list(tied.values())
+    ordered = [values[i] for i in order]
+    by_position = list(map(float, range(1, n + 1)))
+    # Sorted positions p with ordered[p] == ordered[p + 1]: a run of them is one tie group.
+    same = list(compress(range(n - 1), map(eq, ordered, islice(ordered, 1, None))))
+    ties: list[int] = []
+    k, m = 0, len(same)
+    while k < m:
+        first = last = same[k]  # the group spans positions first .. last + 1
+        k += 1
+        while k < m and same[k] == last + 1:
+            last += 1
+            k += 1
+        size = last - first + 2
+        by_position[first:last + 2] = [(first + last + 3) / 2.0] * size  # ranks' average
+        ties.append(size)
+    ranks = [0.0] * n
+    for rank, i in zip(by_position, order):
+        ranks[i] = rank
+    return ranks, ties
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +107,13 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> Correlation | None:
     rx, _ = average_ranks(x)
     ry, _ = average_ranks(y)
     mean = (n + 1) / 2.0
-    sxy = sum((a - mean) * (b - mean) for a, b in zip(rx, ry, strict=True))
-    sxx = sum((a - mean) ** 2 for a in rx)
-    syy = sum((b - mean) ** 2 for b in ry)
+    # Deviations from the mean rank, and their products summed in C (the same floats, added
+    # in the same order, as a generator over the pairs would add them).
+    dx = [a - mean for a in rx]
+    dy = [b - mean for b in ry]
+    sxy = sum(map(mul, dx, dy))
+    sxx = sum(map(mul, dx, dx))
+    syy = sum(map(mul, dy, dy))
     if sxx <= 0 or syy <= 0:
         return None
     rho = max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
