@@ -22,6 +22,11 @@ What it reports, per concurrency (medians over repeats; the machine is small and
   included). Per-request work (parsing the request, opening the upstream exchange, finishing the
   record) is amortised over the chunks of a stream, and the closing usage/[DONE] events are not
   counted as chunks: the figure is an upper bound on the cost per token chunk;
+- phasewatch's CPU per chunk split by thread (/proc/PID/task): the event loop (each process's
+  main thread: requests, the response's first reads, records, metrics, the periodic duties'
+  own Python), the native relay (the thread relaying the middle of streams, named
+  `pw-native-relay`), and other threads (the diagnosis's statistics, the database drivers).
+  nginx's whole process is the yardstick for the native relay's share;
 - the upstream's and load generator's CPU, the generator's lateness against its schedule, and
   the CPU that other processes used on the machine during each run, so noise is visible.
 
@@ -60,6 +65,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PATHS = ("direct", "phasewatch", "nginx")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The roles of a phasewatch process's threads in the CPU split (`Server.thread_ticks`); the
+# native relay's thread carries this name (app/proxy/_native.c).
+THREAD_ROLES = ("event loop", "native relay", "other threads")
+NATIVE_THREAD_NAME = "pw-native-relay"
 
 # Targets, all relative to nginx measured in the same run: CPU per relayed chunk within 1.5x
 # of nginx's at every shape (goal 1.2x); at 256 streams, added TTFT p99 at most nginx's + 2 ms
@@ -99,6 +108,30 @@ class Server:
             if ticks is not None:
                 total = (total[0] + ticks[0], total[1] + ticks[1])
         return total
+
+    def thread_ticks(self) -> dict[str, int]:
+        """CPU ticks (user+sys) of the event loops (each process's main thread: that of a
+        phasewatch worker) and of the native relays' threads (named by `_native.c`), summed
+        over the process and its children. The rest of `cpu_ticks` is other threads' (those
+        that have exited too)."""
+        out = {"event loop": 0, "native relay": 0}
+        for pid in (self.proc.pid, *child_pids(self.proc.pid)):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                except OSError:
+                    continue
+                name, _, rest = stat.partition("(")[2].rpartition(")")
+                role = ("event loop" if tid == str(pid) else
+                        "native relay" if name == NATIVE_THREAD_NAME else None)
+                if role is not None:
+                    fields = rest.split()
+                    out[role] += int(fields[11]) + int(fields[12])
+        return out
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -372,6 +405,8 @@ class Run:
     wall_s: float
     proxy_cpu_us_per_chunk: float | None  # None for the direct path
     proxy_sys_us_per_chunk: float | None  # the kernel's share of it (socket reads and writes)
+    # phasewatch's CPU per chunk by thread role (THREAD_ROLES); empty for the other paths
+    proxy_threads_us_per_chunk: dict[str, float | None]
     upstream_cpu_us_per_chunk: float | None
     loadgen_busy_cores: float  # the generator's CPU over its active window / that window
     loadgen_lateness_p99_ms: float | None
@@ -395,6 +430,7 @@ def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
     """CPU seconds used by each server, waited children, and the whole machine in the block."""
     out: dict[str, float | None] = {}
     before = {s.name: s.cpu_ticks() for s in servers}
+    threads_before = {s.name: s.thread_ticks() for s in servers}
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0 = system_busy_ticks()
     yield out
@@ -405,8 +441,14 @@ def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
         if start is None or end is None:
             out[s.name] = out[s.name + ".sys"] = None
             continue
-        out[s.name] = (end[0] + end[1] - start[0] - start[1]) / CLK_TCK
+        total = (end[0] + end[1] - start[0] - start[1]) / CLK_TCK
+        out[s.name] = total
         out[s.name + ".sys"] = (end[1] - start[1]) / CLK_TCK
+        for role, ticks in s.thread_ticks().items():
+            used = (ticks - threads_before[s.name][role]) / CLK_TCK
+            out[f"{s.name}.{role}"] = used
+            total -= used
+        out[f"{s.name}.other threads"] = total
     out["children"] = (children1.ru_utime - children0.ru_utime) + (
         children1.ru_stime - children0.ru_stime)
     if busy0 is not None and busy1 is not None:
@@ -513,6 +555,9 @@ def one_run(args: argparse.Namespace, path: str, target: Server, upstream: Serve
         wall_s=wall,
         proxy_cpu_us_per_chunk=per_chunk_us(cpu[path]) if path in proxies else None,
         proxy_sys_us_per_chunk=per_chunk_us(cpu[path + ".sys"]) if path in proxies else None,
+        proxy_threads_us_per_chunk={
+            role: per_chunk_us(cpu.get(f"{path}.{role}")) for role in THREAD_ROLES
+        } if path in proxies and path != "nginx" else {},
         upstream_cpu_us_per_chunk=per_chunk_us(cpu[upstream.name]),
         loadgen_busy_cores=result["cpu_s"] / wall,
         loadgen_lateness_p99_ms=percentile_ms(result["lateness_ns"], 0.99),
@@ -544,6 +589,10 @@ def summarize(runs: list[Run], concurrency: int, paths: Sequence[str]) -> dict[s
         entry: dict[str, Any] = {m: median([getattr(r, m) for r in mine]) for m in METRICS}
         entry["proxy_cpu_us_per_chunk"] = median([r.proxy_cpu_us_per_chunk for r in mine])
         entry["proxy_sys_us_per_chunk"] = median([r.proxy_sys_us_per_chunk for r in mine])
+        entry["proxy_threads_us_per_chunk"] = {
+            role: median([r.proxy_threads_us_per_chunk.get(role) for r in mine])
+            for role in THREAD_ROLES
+        } if any(r.proxy_threads_us_per_chunk for r in mine) else {}
         entry["upstream_cpu_us_per_chunk"] = median([r.upstream_cpu_us_per_chunk for r in mine])
         entry["loadgen_busy_cores"] = median([r.loadgen_busy_cores for r in mine])
         entry["loadgen_lateness_p99_ms"] = median([r.loadgen_lateness_p99_ms for r in mine])
@@ -622,6 +671,11 @@ def print_level(shape: Shape, summary: dict[str, Any], paths: Sequence[str],
               f"nginx {fmt(ng['proxy_cpu_us_per_chunk'], ' us', digits=1)} "
               f"({ratio(pw['proxy_cpu_us_per_chunk'], ng['proxy_cpu_us_per_chunk'])}); "
               f"upstream itself {fmt(d['upstream_cpu_us_per_chunk'], ' us', digits=1)}")
+        split = pw.get("proxy_threads_us_per_chunk")
+        if split:
+            print("phasewatch CPU/chunk by thread: " + ", ".join(
+                f"{role} {fmt(split[role], ' us', digits=1)}" for role in THREAD_ROLES)
+                + f" (nginx's whole process {fmt(ng['proxy_cpu_us_per_chunk'], ' us', digits=1)})")
     else:
         print(f"phasewatch adds {fmt(pw['added_ttft_p99_ms'], ' ms', True)} TTFT p99, "
               f"{fmt(pw['added_lag_p99_ms'], ' ms', True)} chunk lag p99; CPU/chunk "
