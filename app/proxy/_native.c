@@ -362,8 +362,9 @@ static void unblock(Stream *s) {
  * nothing later in the batch can touch a stream Python has already let go. */
 static void hand_back(Relay *r, Stream *s, int ending) {
     s->ending = ending;
-    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->up, NULL);
-    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    /* Out of the set before the close: the event loop's own descriptors keep the sockets open,
+     * and with them the registration. Only one of the two is in the set (`block`). */
+    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->blocked ? s->client : s->up, NULL);
     close(s->up); close(s->client);
     s->up = s->client = -1;
     if (s->prev) s->prev->next = s->next; else r->active = s->next;
