@@ -55,7 +55,7 @@ def average_ranks(values: Sequence[float]) -> tuple[list[float], list[int]]:
         by_position[first:last + 2] = [(first + last + 3) / 2.0] * size  # ranks' average
         ties.append(size)
     ranks = [0.0] * n
-    for rank, i in zip(by_position, order):
+    for rank, i in zip(by_position, order, strict=True):
         ranks[i] = rank
     return ranks, ties
 
