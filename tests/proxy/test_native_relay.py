@@ -11,9 +11,11 @@ breaks off mid-stream, a client that leaves, a client that stops reading for a w
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from importlib import import_module
 from typing import Any
 
 import httptools
@@ -371,3 +373,16 @@ def test_a_kept_alive_connection_carries_pipelined_streams_and_closes_when_asked
         assert answers[2][0][b"connection"] == b"close"
         records = [proxy.next_record() for _ in range(4)]
         assert [(r.outcome, r.output_tokens) for r in records] == [("ok", 30)] * 4
+
+
+def test_the_relay_thread_is_named_for_the_tools_that_split_a_process_by_thread() -> None:
+    """`top -H`, perf and benchmarks/proxy_overhead.py's CPU split find it by this name."""
+    relay = import_module("phasewatch.proxy._native").Relay()
+    try:
+        names = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names.add(comm.read().strip())
+        assert "pw-native-relay" in names
+    finally:
+        relay.close()
