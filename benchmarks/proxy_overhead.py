@@ -110,10 +110,11 @@ class Server:
         return total
 
     def thread_ticks(self) -> dict[str, int]:
-        """CPU ticks (user+sys) of the event loops (each process's main thread: that of a
-        phasewatch worker) and of the native relays' threads (named by `_native.c`), summed
-        over the process and its children. The rest of `cpu_ticks` is other threads' (those
-        that have exited too)."""
+        """CPU ticks (user+sys) of the event loops (each process's main thread: a worker's
+        event loop; under `--workers`, the supervisor's and its helper processes' too, which
+        idle) and of the native relays' threads (named by `_native.c`), summed over the
+        process and its children. The rest of `cpu_ticks` is other threads' (those that have
+        exited too)."""
         out = {"event loop": 0, "native relay": 0}
         for pid in (self.proc.pid, *child_pids(self.proc.pid)):
             try:
