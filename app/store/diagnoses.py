@@ -8,8 +8,8 @@ from the count, not from the rows read.
 The rows are read as plain tuples on the connection (not through the ORM's result machinery),
 with each arrival as POSIX seconds computed by the database (`EpochSeconds`) rather than a
 datetime parsed from SQLite's text in Python: a round reads up to two spans of `limit` rows,
-and per row those two cost more than everything else the read does (measured on 2,400 rows:
-the event loop's share 14 ms before, 4.4 ms after).
+and per row those two cost more than everything else the read does (a read of 2,400 rows in
+the served process: the event loop's share 20-31 ms before, 10-13 ms after; CHANGELOG).
 """
 
 from __future__ import annotations
