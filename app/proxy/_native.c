@@ -25,6 +25,15 @@
  * hands the stream back with the held chunk's own read time (`held`, `held_ns`). Nothing
  * reaches the client later than it would have.
  *
+ * A stream may also come to the thread as soon as its request is sent (`start(..., head=...)`):
+ * the thread then reads the upstream's head too. A `200` event stream, chunked, with a head it
+ * reads plainly (see `head_take`) is the usual answer: the thread writes the client's head
+ * (Python's parts around the upstream's headers, filtered as `client_response_headers` does)
+ * in the same write as the first token, and keeps a copy of the upstream's head for Python to
+ * parse for its own state (`head`). Until the first token the thread takes only a plain token
+ * chunk with a count, or vLLM's role chunk (no output, count 0): anything else, and any other
+ * head, goes back to Python with every byte read, as if the thread had never had it.
+ *
  * Sockets: the thread works on duplicates of the two descriptors, so that a close by the event
  * loop never leaves it writing to a reused number. While it holds a stream, the event loop has
  * paused reading the upstream and writes nothing to the client (it still reads the client, and
@@ -44,6 +53,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -51,8 +61,12 @@
 #include <unistd.h>
 
 #define IN_CAP (64 * 1024)    /* a chunk longer than this goes back to Python */
+#define HEAD_CAP (16 * 1024)  /* an upstream head longer than this goes back to Python */
 #define MAX_EVENTS 256
 #define NATIVE_THREAD_NAME "pw-native-relay"  /* 15 characters: Linux's limit */
+
+/* Where a stream started at its head stands with the upstream's head. */
+enum { HEAD_NONE = 0, HEAD_WAIT = 1, HEAD_TAKEN = 2 };
 
 /* Why a stream came back (Python reads these as `Ending` in native.py). */
 enum { END_NONE = 0, END_HANDOVER = 1, END_ASKED = 2, END_UPSTREAM_EOF = 3,
@@ -94,6 +108,13 @@ struct Stream {
     int64_t *log; Py_ssize_t log_len, log_cap;   /* (time, completion, prompt) triples */
     int64_t last_read_ns, blocked_since_ns, leftover_ns;
     int64_t done_ns;          /* the time of the read that brought `[DONE]` (0: not yet) */
+    /* A stream started at its head (`start(..., head=...)`). */
+    int head_state;           /* HEAD_*: HEAD_WAIT until the upstream's head is taken */
+    int pending;              /* no token yet: only a first token or the role chunk is taken */
+    char *head_pre, *head_rid, *head_post;  /* the client head's parts from Python */
+    Py_ssize_t head_pre_len, head_rid_len, head_post_len;
+    char *head_raw; Py_ssize_t head_raw_len;  /* the upstream's head once taken (under lock) */
+    int64_t head_ns;          /* the time of the read that completed it */
 };
 
 static PyTypeObject StreamType;
@@ -433,6 +454,125 @@ static int out_stamped(Stream *s, const char *d, Py_ssize_t n, Py_ssize_t cut_fr
     return rc;
 }
 
+/* -- the upstream's head, for a stream started at it --------------------------------------- */
+
+static int tchar(unsigned char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')
+           || (c != 0 && strchr("!#$%&'*+-.^_`|~", c) != NULL);
+}
+
+static int name_is(const char *n, Py_ssize_t len, const char *lit) {
+    return (size_t)len == strlen(lit) && strncasecmp(n, lit, (size_t)len) == 0;
+}
+
+/* Response headers that describe one hop: never forwarded (asgi.HOP_BY_HOP). */
+static int hop_by_hop(const char *n, Py_ssize_t len) {
+    static const char *const names[] = {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length", NULL};
+    for (int i = 0; names[i] != NULL; i++)
+        if (name_is(n, len, names[i])) return 1;
+    return 0;
+}
+
+static void out_put(Stream *s, const char *d, Py_ssize_t n) {
+    memcpy(s->out + s->out_len, d, (size_t)n);
+    s->out_len += n;
+}
+
+/* The upstream's head, while the thread waits for it: 1 taken (the client's head is in `out`,
+ * the upstream's copied to `head_raw`, `in` starts with the body), 0 not all here yet, -1
+ * Python's (nothing taken). Taken only when the Python path would start the same chunked
+ * response (relay.py `on_head`) from a head it reads plainly: `HTTP/1.1 200`, a first
+ * `content-type` of `text/event-stream`, one `transfer-encoding: chunked`, no
+ * `content-length`, each header line a token, a colon and a value of visible characters (no
+ * folded lines). The client's head is Python's prefix (status line, the server's own
+ * headers), then the upstream's headers in order, names lower-cased, hop-by-hop ones left
+ * out, values as httptools reads them (leading blanks dropped), then `x-request-id` unless
+ * the upstream sent one, then Python's suffix: `begin_chunked`'s bytes. */
+static int head_take(Stream *s, int64_t now) {
+    const char *d = s->in;
+    const char *stop = find(d, s->in_len, LIT("\r\n\r\n"));
+    if (stop == NULL) return s->in_len >= HEAD_CAP ? -1 : 0;
+    Py_ssize_t head_len = stop + 4 - d;
+    if (head_len > HEAD_CAP) return -1;
+    const char *eol = find(d, head_len, LIT("\r\n"));
+    Py_ssize_t status_len = eol - d;
+    if (status_len < 12 || memcmp(d, "HTTP/1.1 200", 12) != 0
+        || (status_len > 12 && d[12] != ' '))
+        return -1;
+    for (const char *q = d + 12; q < eol; q++)
+        if ((unsigned char)*q < 0x20 && *q != '\t') return -1;
+    if (out_reserve(s, s->head_pre_len + head_len + s->head_rid_len + s->head_post_len) < 0)
+        return -1;
+    Py_ssize_t out0 = s->out_len;
+    out_put(s, s->head_pre, s->head_pre_len);
+    int chunked = 0, event_stream = 0, seen_type = 0, has_rid = 0;
+    const char *line = eol + 2, *last = stop + 2;
+    while (line < last) {
+        const char *end = find(line, last - line, LIT("\r\n"));
+        const char *colon = memchr(line, ':', (size_t)(end - line));
+        if (colon == NULL || colon == line) goto python;
+        for (const char *q = line; q < colon; q++)
+            if (!tchar((unsigned char)*q)) goto python;
+        const char *value = colon + 1;
+        while (value < end && (*value == ' ' || *value == '\t')) value++;
+        for (const char *q = value; q < end; q++) {
+            unsigned char c = (unsigned char)*q;
+            if ((c < 0x20 && c != '\t') || c == 0x7f) goto python;
+        }
+        Py_ssize_t name_len = colon - line, value_len = end - value;
+        Py_ssize_t trimmed = value_len;  /* for comparing a value: trailing blanks aside */
+        while (trimmed > 0 && (value[trimmed - 1] == ' ' || value[trimmed - 1] == '\t'))
+            trimmed--;
+        if (name_is(line, name_len, "content-length")) goto python;
+        if (name_is(line, name_len, "transfer-encoding")) {
+            if (chunked || !(trimmed == 7 && strncasecmp(value, "chunked", 7) == 0))
+                goto python;
+            chunked = 1;
+        } else if (name_is(line, name_len, "content-type") && !seen_type) {
+            seen_type = 1;
+            event_stream = trimmed >= 17 && strncasecmp(value, "text/event-stream", 17) == 0;
+        } else if (name_is(line, name_len, "x-request-id")) {
+            has_rid = 1;
+        }
+        if (!hop_by_hop(line, name_len)) {
+            for (const char *q = line; q < colon; q++)
+                s->out[s->out_len++] = (*q >= 'A' && *q <= 'Z') ? (char)(*q + 32) : *q;
+            out_put(s, ": ", 2);
+            out_put(s, value, value_len);
+            out_put(s, "\r\n", 2);
+        }
+        line = end + 2;
+    }
+    if (!chunked || !event_stream) goto python;
+    if (!has_rid) out_put(s, s->head_rid, s->head_rid_len);
+    out_put(s, s->head_post, s->head_post_len);
+    char *raw = malloc((size_t)head_len);
+    if (raw == NULL) goto python;
+    memcpy(raw, d, (size_t)head_len);
+    pthread_mutex_lock(&s->relay->lock);
+    s->head_raw = raw;
+    s->head_raw_len = head_len;
+    s->head_ns = now;
+    pthread_mutex_unlock(&s->relay->lock);
+    s->head_state = HEAD_TAKEN;
+    memmove(s->in, s->in + head_len, (size_t)(s->in_len - head_len));
+    s->in_len -= head_len;
+    return 1;
+python:
+    s->out_len = out0;
+    return -1;
+}
+
+/* vLLM's role chunk, read as `classify` would: a chat choice whose delta is exactly the role
+ * and an empty content, so no output (the one event with a count of 0 taken before the first
+ * token: the Python path times nothing for it either). */
+static int role_chunk(const char *d, Py_ssize_t n) {
+    return find(d, n, LIT("\"delta\":{\"role\":\"assistant\",\"content\":\"\"}")) != NULL
+           && count(d, n, LIT("\"delta\":")) == 1 && find(d, n, LIT("\"text\":")) == NULL;
+}
+
 enum { TAKE_ON = 0, TAKE_BACK = 1, TAKE_ENDED = 2 };
 
 /* Take the whole chunks at the front of `in` that the thread relays as the Python path would:
@@ -485,6 +625,13 @@ static int take_chunks(Stream *s, int64_t now) {
         if (terminal && !usage_in(d, n, &completion, &prompt, &cut_from, &cut_to)) {
             back = TAKE_BACK;
             break;
+        }
+        if (s->pending) {
+            /* Before the first token (a stream started at its head): that token, or the role
+             * chunk; anything else is Python's (how it times a first event depends on more
+             * than the count). */
+            if (!token || (completion == 0 && !role_chunk(d, n))) { back = TAKE_BACK; break; }
+            if (completion > 0) s->pending = 0;
         }
         if (token || (terminal && !s->hold)) {
             /* A running token chunk, or a terminal chunk not held: relayed as it is, its
@@ -568,7 +715,17 @@ static void upstream_ready(Relay *r, Stream *s) {
     if (n > 0) {
         s->in_len += n;
         s->leftover_ns = now;
-        int taken = take_chunks(s, now);
+        int taken = TAKE_ON;
+        int head = s->head_state == HEAD_WAIT ? head_take(s, now) : 1;
+        if (head < 0) {
+            taken = TAKE_BACK;  /* not a head the thread takes: Python reads it all */
+        } else if (head == 0) {  /* the head is not all here yet */
+            pthread_mutex_lock(&r->lock);
+            s->last_read_ns = now;
+            pthread_mutex_unlock(&r->lock);
+        } else {
+            taken = take_chunks(s, now);
+        }
         if (taken == TAKE_BACK) ending = END_HANDOVER;
         else if (taken == TAKE_ENDED) ending = END_BODY;
     } else if (n == 0) {
@@ -649,6 +806,7 @@ static void *run(void *arg) {
 static void Stream_dealloc(Stream *s) {
     Py_XDECREF(s->owner);
     free(s->in); free(s->out); free(s->log);
+    free(s->head_pre); free(s->head_rid); free(s->head_post); free(s->head_raw);
     Py_XDECREF((PyObject *)s->relay);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
@@ -711,6 +869,17 @@ static PyObject *Stream_done_ns(Stream *s, void *Py_UNUSED(c)) {
     return PyLong_FromLongLong((long long)done);
 }
 
+static PyObject *Stream_head(Stream *s, void *Py_UNUSED(c)) {
+    /* The upstream's head, once the thread has taken it (None: not, or never). */
+    Relay *r = s->relay;
+    PyObject *head = NULL;
+    pthread_mutex_lock(&r->lock);
+    if (s->head_raw != NULL) head = PyBytes_FromStringAndSize(s->head_raw, s->head_raw_len);
+    pthread_mutex_unlock(&r->lock);
+    if (head == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return head;
+}
+
 static PyMemberDef Stream_members[] = {
     {"owner", T_OBJECT, offsetof(Stream, owner), 0, "the relay's exchange"},
     {"ending", T_INT, offsetof(Stream, ending), READONLY, "why it came back (0: it has not)"},
@@ -721,6 +890,8 @@ static PyMemberDef Stream_members[] = {
      "bytes at the leftover's front held as a terminal chunk (0: none)"},
     {"held_ns", T_LONGLONG, offsetof(Stream, held_ns), READONLY,
      "time of the read that completed the held chunk"},
+    {"head_ns", T_LONGLONG, offsetof(Stream, head_ns), READONLY,
+     "time of the read that completed the upstream's head (once `head` is not None)"},
     {NULL},
 };
 
@@ -728,6 +899,7 @@ static PyGetSetDef Stream_getset[] = {
     {"leftover", (getter)Stream_leftover, NULL, NULL, NULL},
     {"unsent", (getter)Stream_unsent, NULL, NULL, NULL},
     {"done_ns", (getter)Stream_done_ns, NULL, NULL, NULL},
+    {"head", (getter)Stream_head, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -803,10 +975,18 @@ static void Relay_dealloc(Relay *r) {
 }
 
 static PyObject *Relay_start(Relay *r, PyObject *args) {
-    /* start(upstream_fd, client_fd, strip, hold, owner) -> Stream */
+    /* start(upstream_fd, client_fd, strip, hold, owner, head=None) -> Stream; `head`: (prefix,
+     * request id line, suffix) of the client's head, to take the stream from the upstream's
+     * head on (its request just sent) rather than from a chunk boundary of its body. */
     int up, client, strip, hold;
-    PyObject *owner;
-    if (!PyArg_ParseTuple(args, "iippO", &up, &client, &strip, &hold, &owner)) return NULL;
+    PyObject *owner, *head = Py_None;
+    const char *pre = NULL, *rid = NULL, *post = NULL;
+    Py_ssize_t pre_len = 0, rid_len = 0, post_len = 0;
+    if (!PyArg_ParseTuple(args, "iippO|O", &up, &client, &strip, &hold, &owner, &head))
+        return NULL;
+    if (head != Py_None && !PyArg_ParseTuple(head, "y#y#y#", &pre, &pre_len, &rid, &rid_len,
+                                             &post, &post_len))
+        return NULL;
     if (!r->running || r->closing) {
         PyErr_SetString(PyExc_RuntimeError, "the native relay is closed");
         return NULL;
@@ -822,6 +1002,20 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
     s->strip = strip;
     s->hold = hold;
     s->last_completion = -1;
+    if (head != Py_None) {
+        s->head_state = HEAD_WAIT;
+        s->pending = 1;
+        s->head_pre = malloc((size_t)pre_len + 1);
+        s->head_rid = malloc((size_t)rid_len + 1);
+        s->head_post = malloc((size_t)post_len + 1);
+        if (s->head_pre == NULL || s->head_rid == NULL || s->head_post == NULL) {
+            Py_DECREF(s);
+            return PyErr_NoMemory();
+        }
+        memcpy(s->head_pre, pre, (size_t)pre_len); s->head_pre_len = pre_len;
+        memcpy(s->head_rid, rid, (size_t)rid_len); s->head_rid_len = rid_len;
+        memcpy(s->head_post, post, (size_t)post_len); s->head_post_len = post_len;
+    }
     s->in = malloc(IN_CAP);
     s->up = fcntl(up, F_DUPFD_CLOEXEC, 0);
     s->client = fcntl(client, F_DUPFD_CLOEXEC, 0);

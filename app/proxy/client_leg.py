@@ -100,16 +100,46 @@ class ClientLeg:
         return cycle is not None and cycle.response_complete
 
     def begin_chunked(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes | None:
-        """Start a chunked response without an ASGI message: the cycle's state moves as
-        uvicorn's `send` of `http.response.start` moves it (its access log line too), and the
-        head is returned, to go out in the same write as the first chunks. None when it cannot
-        start here (the client is gone, the response has started, a HEAD request): ASGI then
-        starts it. The headers are `client_response_headers`' (lower-case, no hop-by-hop);
-        their values come from parsed requests and responses, so they hold no CR or LF."""
+        """Start a chunked response without an ASGI message (`start_chunked`) and return its
+        head, to go out in the same write as the first chunks. None when it cannot start here
+        (the client is gone, the response has started, a HEAD request): ASGI then starts it.
+        The headers are `client_response_headers`' (lower-case, no hop-by-hop); their values
+        come from parsed requests and responses, so they hold no CR or LF."""
+        parts = self.head_parts(status)
+        if parts is None or not self.start_chunked(status):
+            return None
+        prefix, end = parts
+        head = [prefix]
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        head.append(end)
+        return b"".join(head)
+
+    def head_parts(self, status: int = 200) -> tuple[bytes, bytes] | None:
+        """What a chunked response's head holds around the upstream's headers: the status line
+        and the server's own headers (`date`, `server`), and its end (`connection: close` when
+        the connection is not kept alive, `transfer-encoding: chunked`, the blank line). The
+        native leg writes a head from them (native.py). None when the response cannot start
+        here (as `begin_chunked`)."""
         cycle = self._cycle
         if (cycle is None or cycle.disconnected or cycle.response_started
                 or cycle.scope["method"] == "HEAD"):
             return None
+        prefix = [STATUS_LINE[status]]
+        for name, value in cycle.default_headers:
+            prefix += (name, b": ", value, b"\r\n")
+        end = (b"transfer-encoding: chunked\r\n\r\n" if cycle.keep_alive
+               else b"connection: close\r\ntransfer-encoding: chunked\r\n\r\n")
+        return b"".join(prefix), end
+
+    def start_chunked(self, status: int) -> bool:
+        """Move the cycle's state as uvicorn's `send` of `http.response.start` moves it for a
+        chunked response (its access log line too), the head being written by the caller (or
+        by the native leg); False when it cannot start here (as `begin_chunked`)."""
+        cycle = self._cycle
+        if (cycle is None or cycle.disconnected or cycle.response_started
+                or cycle.scope["method"] == "HEAD"):
+            return False
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         cycle.chunked_encoding = True
@@ -118,13 +148,7 @@ class ClientLeg:
                                      cycle.scope["method"],
                                      get_path_with_query_string(cycle.scope),
                                      cycle.scope["http_version"], status)
-        head = [STATUS_LINE[status]]
-        for name, value in (*cycle.default_headers, *headers):
-            head += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive:
-            head.append(b"connection: close\r\n")
-        head.append(b"transfer-encoding: chunked\r\n\r\n")
-        return b"".join(head)
+        return True
 
     def write_raw(self, data: bytes) -> None:
         """Write bytes of the body already framed as HTTP/1.1 chunks (by the native leg)."""

@@ -24,6 +24,20 @@ The idle and client-stall timeouts read the thread's last read and blocked-since
 every pass (`clocks()`, at most a second apart). A client that leaves after the thread sent
 `[DONE]` had its whole answer, as on the Python path: that cancels nothing.
 
+A stream can also come to the thread as soon as its request is sent (`start(..., head=...)`,
+relay.py `_start_native_at_head`): a streamed request counted from its first token (one
+choice, running usage asked for). The thread then reads the upstream's head as well; when it
+is a plain `200` event stream it writes the client's head, made as the Python path makes it
+(`ClientLeg.head_parts` around the upstream's headers, filtered as `client_response_headers`
+filters them), in one write with the first token, and keeps the upstream's head (`head`) for
+Python to parse into its own state (the response's status, label and metrics, the client
+cycle's) when it next looks at the stream: its first replay. Until the first token the thread
+takes only that token's chunk or vLLM's role chunk. Any other head, or first event, goes back
+to Python with every byte, before anything is written. The first token's time is replayed
+like the others, so its TTFT reaches the histogram at that replay: on the live registry's
+first pass after it (a pass replays a stream still without a first token), before a render of
+`/metrics` or a snapshot, or at the stream's end.
+
 A terminal chunk that the Python path would hold for the usage chunk's fingerprint
 (stream.py) is held by the thread as well, until a whole chunk follows it: a usage chunk is
 cut and its fingerprint spliced into the held chunk, byte for byte as `StreamFeed` does; any
@@ -71,6 +85,8 @@ class Stream(Protocol):
     held_ns: int
     unsent: bytes
     done_ns: int  # the time of the read that brought [DONE] (0: it has not come)
+    head: bytes | None  # (started at the head) the upstream's head, once the thread took it
+    head_ns: int  # the time of the read that completed it
 
     def poll(self) -> tuple[bytes, int, int]: ...
     def clocks(self) -> tuple[int, int]: ...
@@ -91,16 +107,18 @@ class NativeRelay:
         loop.add_reader(self._relay.fileno(), self._returned)
 
     def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
-              owner: Owner) -> Stream | None:
+              owner: Owner, head: tuple[bytes, bytes, bytes] | None = None) -> Stream | None:
         """Hand a stream to the thread, given its two sockets' descriptors (`plain_fd`): cut
         running usage (`strip_usage`), hold a terminal chunk (`hold_terminal`, as
-        `StreamFeed` does when the closing usage chunk is cut). None when the thread could not
-        take it, and the stream stays in Python."""
+        `StreamFeed` does when the closing usage chunk is cut). With `head` (the client head's
+        prefix, its `x-request-id` line, its end) the thread takes the stream from the
+        upstream's head on; else from a chunk boundary of the body. None when the thread could
+        not take it, and the stream stays in Python."""
         if not self._open:
             return None
         try:
             stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal,
-                                               owner)
+                                               owner, head)
         except (OSError, RuntimeError):
             log.warning("the native relay could not take a stream; it stays in Python",
                         exc_info=True)

@@ -93,6 +93,14 @@ class Phase(Enum):
     CLIENT_STALLED = "client_stalled"  # the client stopped reading for the client stall timeout
 
 
+class Head(Enum):
+    """Who reads the upstream's head and writes the client's."""
+
+    PYTHON = "python"  # the upstream connection's parser and `on_head`
+    NATIVE = "native"  # the native leg, which took the exchange as its request went out
+    TAKEN = "taken"  # the native leg wrote the client's head; Python has parsed the upstream's
+
+
 _ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_TIMEOUT,
                       Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
 # Endings that may find the task blocked in an ASGI send the client does not drain.
@@ -156,7 +164,7 @@ class Exchange:
     """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
-                 "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
+                 "_head", "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
                  "_pending_size", "_plan", "_prefix", "_record", "_replayed_ns", "_responded",
                  "_scope", "_status", "_task", "_timing", "_trace", "_unwritten", "_wake",
                  "client_blocked_ns", "label", "last_read_ns", "phase")
@@ -197,6 +205,7 @@ class Exchange:
         self._end_ns = 0
         self._lost = ""
         self._native: Stream | None = None  # the native leg holds the stream (native.py)
+        self._head = Head.PYTHON
         self._replayed_ns = 0  # when the live registry last replayed the native leg's log
         # The native leg may not take this stream (off, or it could not take it once).
         self._native_tried = ctx.native is None
@@ -258,7 +267,9 @@ class Exchange:
         stream = self._native
         if stream is None:
             return
-        if now_ns - self._replayed_ns >= every_ns:
+        # A stream the native leg took from its head is replayed on each pass until its first
+        # token: its head and TTFT reach the live gauges and the histogram a pass after them.
+        if now_ns - self._replayed_ns >= every_ns or self._timing.first_output_ns is None:
             self._replayed_ns = now_ns
             self._replay(stream)
             return
@@ -267,6 +278,13 @@ class Exchange:
             self.last_read_ns = last_read_ns
 
     def _replay(self, stream: Stream) -> None:
+        if self._head is Head.NATIVE:
+            head = stream.head
+            if head is not None and self._conn is not None:
+                # The native leg wrote the client's head: the upstream's goes through the
+                # parser as a read, so `on_head` sets what it sets (and writes nothing).
+                self._head = Head.TAKEN
+                self._conn.take(head, stream.head_ns)
         last_read_ns, blocked_ns = replay(stream, self._timing)
         if last_read_ns > self.last_read_ns:
             self.last_read_ns = last_read_ns
@@ -294,7 +312,8 @@ class Exchange:
     # -- UpstreamHandler: called from the upstream connection's read callbacks ----------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.phase is not Phase.WAITING:
+        native_wrote_it = self._head is Head.TAKEN
+        if self.phase is not Phase.WAITING and not native_wrote_it:
             return
         self.last_read_ns = perf_counter_ns()
         self._responded = True
@@ -313,7 +332,8 @@ class Exchange:
                     self._record.request_id, trace.trace_id if trace is not None else None)
             self._feed = StreamFeed(self._plan, self._record, timing)
             self._start_direct()
-            self._move(Phase.STREAMING)
+            if self.phase is Phase.WAITING:  # (a forced ending may have come first: it stays)
+                self._move(Phase.STREAMING)
         else:
             self._move(Phase.READING)
 
@@ -324,6 +344,10 @@ class Exchange:
         leg cannot start it, the coroutine starts it over ASGI (`_stream`)."""
         leg = self._leg
         if leg is None:
+            return
+        if self._head is Head.TAKEN:  # the native leg wrote the head
+            if leg.start_chunked(200):
+                self._write_directly(leg)
             return
         headers = client_response_headers(self._headers, self._record.request_id, None)
         head = leg.begin_chunked(200, headers)
@@ -416,10 +440,40 @@ class Exchange:
         self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
         self._ctx.metrics.native_streams.inc()
 
+    def _start_native_at_head(self) -> None:
+        """Hand the exchange to the native leg as its request goes out, when its stream can be
+        counted exactly from the first token: the thread reads the upstream's head, writes the
+        client's with the first token, and relays on (native.py). Python then wakes for the
+        exchange's end alone, unless the thread gives it back."""
+        leg, conn, native, plan = self._leg, self._conn, self._ctx.native, self._plan
+        if (native is None or self._native_tried or leg is None or conn is None
+                or conn.plain_fd is None or leg.plain_fd is None or leg.paused
+                or not (plan.stream and plan.single_choice and plan.running_usage)):
+            return
+        parts = leg.head_parts()
+        client = leg.transport
+        if parts is None or client is None or client.get_write_buffer_size():
+            return
+        conn.pause_reading()
+        prefix, end = parts
+        request_id = b"x-request-id: %b\r\n" % self._record.request_id.encode("latin-1")
+        stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
+                              plan.strip_final_usage, self, (prefix, request_id, end))
+        if stream is None:
+            self._native_tried = True
+            conn.resume_reading()
+            return
+        self._native = stream
+        self._head = Head.NATIVE
+        self._replayed_ns = perf_counter_ns()
+        self._ctx.metrics.native_streams.inc()
+
     def native_returned(self, stream: Stream) -> None:
         """The native leg handed the stream back: go on from the byte it stopped at."""
         self._native = None
         self._replay(stream)
+        if self._head is Head.NATIVE:  # it gave the head back unread: Python reads it
+            self._head = Head.PYTHON
         leg, conn, feed = self._leg, self._conn, self._feed
         done_ns = stream.done_ns
         if done_ns and feed is not None and not feed.done:
@@ -545,7 +599,11 @@ class Exchange:
             self._conn = conn
             self._move(Phase.WAITING)
             conn.send(self, request)
+            self._start_native_at_head()
             while self.phase is Phase.WAITING:
+                await self._next()
+            while self._native is not None and self.phase in _ENDINGS:
+                self._native.stop()  # ended while the native leg held it: take it back first
                 await self._next()
             if self.phase is Phase.BROKEN and not self._responded and conn.reused and not attempt:
                 # The upstream closed this kept-alive connection as we reused it: once more.

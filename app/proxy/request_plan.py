@@ -27,6 +27,9 @@ class RequestPlan:
     # One choice (`n` absent or 1): the upstream's running usage then counts this stream's
     # tokens (with n > 1 vLLM counts each choice apart, which says nothing per chunk).
     single_choice: bool = True
+    # The upstream is asked for running usage on every chunk (by the client or by phasewatch):
+    # the stream can be counted exactly from its first token.
+    running_usage: bool = False
 
 
 def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
@@ -47,9 +50,10 @@ def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
     wants_continuous = wants_usage and options.get("continuous_usage_stats") is True
     add_continuous = continuous_usage and not wants_continuous
     if wants_usage and not add_continuous:
-        return RequestPlan(body, model, stream, False, False, single)
+        return RequestPlan(body, model, stream, False, False, single, wants_continuous)
     new_options = {**options, "include_usage": True}
     if add_continuous:
         new_options["continuous_usage_stats"] = True
     obj["stream_options"] = new_options
-    return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous, single)
+    return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous, single,
+                       True)

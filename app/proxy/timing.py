@@ -135,6 +135,16 @@ class StreamTiming:
         each in turn with its usage would do, in one pass (itl_replay.py): the ITL samples
         observed together as counts per bucket, the exemplar set where `_itl` would have set
         it last."""
+        if self.counting is Counting.PENDING:
+            # Taken from the head (native.py): the first events, up to the first token, one by
+            # one as `event()` has them; the rest, counted exactly, in one pass below.
+            i = 0
+            while i < len(logged) and self.counting is Counting.PENDING:
+                self.completion_tokens = logged[i + 1]
+                self.prompt_tokens = logged[i + 2] if logged[i + 2] >= 0 else None
+                self.event(logged[i], logged[i + 1], 0)
+                i += 3
+            logged = logged[i:]
         if self.counting is not Counting.EXACT:
             for i in range(0, len(logged), 3):
                 self.completion_tokens = logged[i + 1]

@@ -70,6 +70,7 @@ class RawUpstream:
 
     def __init__(self) -> None:
         self.script: list[bytes | float | None] = []
+        self.head_delay = 0.0  # seconds before the head (a queue, a prefill)
         self.closed_by_peer = threading.Event()  # a write failed: the proxy closed the stream
         self.blocked = threading.Event()  # a write did not fit the socket: back-pressure
         self._loop = asyncio.new_event_loop()
@@ -104,6 +105,8 @@ class RawUpstream:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 await reader.readexactly(length)
+                if self.head_delay:
+                    await asyncio.sleep(self.head_delay)
                 writer.write(HEAD)
                 for data in self.script:
                     if isinstance(data, float):
@@ -274,6 +277,39 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream(
     assert _native_streams(proxy) >= 1
 
 
+def test_an_upstream_silent_before_its_head_times_out_alike(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    # The native leg holds the exchange from the moment its request is sent (native.py): the
+    # idle timeout takes it back before answering, as the Python path answers.
+    raw_upstream.head_delay = 3.0
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3), *_ending(3)]
+    native = make_proxy(raw_upstream.url, native_relay=True, upstream_idle_timeout_s=0.3)
+    python = make_proxy(raw_upstream.url, native_relay=False, upstream_idle_timeout_s=0.3)
+    answers = []
+    for proxy in (native, python):
+        response = httpx.post(proxy.url + "/v1/chat/completions", json=ASK, timeout=10)
+        answers.append((response.status_code, response.json()["error"]["type"]))
+    assert answers[0] == answers[1] == (504, "upstream_timeout")
+    mine, theirs = native.next_record(), python.next_record()
+    assert mine.outcome == theirs.outcome == "timeout"
+    assert mine.http_status == theirs.http_status
+    assert _native_streams(native) == 1 and _native_streams(python) == 0
+
+
+def test_a_client_that_leaves_before_the_head_closes_the_upstream(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    raw_upstream.head_delay = 0.5
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5000),
+                           *_ending(5000)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True)
+    with _sent(proxy):
+        while not _native_streams(proxy):  # the thread holds it, waiting for the head
+            threading.Event().wait(0.01)
+    assert raw_upstream.closed_by_peer.wait(10)  # the engine learns the client left
+    record = proxy.next_record()
+    assert record.outcome == "cancelled" and record.ttft_s is None
+
+
 def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     # 30 tokens, then the stream stays open. The live registry's passes replay a native
@@ -289,6 +325,8 @@ def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
         scraped = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=10).text)
         labels = {"model": "m", "endpoint": "chat.completions"}
         assert total(scraped, "phasewatch_inter_token_latency_seconds_count", **labels) == 29
+        # The first token too, the thread having taken the stream from its head.
+        assert total(scraped, "phasewatch_time_to_first_token_seconds_count", **labels) == 1
         assert total(scraped, "phasewatch_native_relay_streams_total") >= 1
         assert not proxy.stored()  # the stream is still open
 
@@ -381,8 +419,11 @@ def test_the_relay_thread_is_named_for_the_tools_that_split_a_process_by_thread(
     try:
         names = set()
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                names.add(comm.read().strip())
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as comm:
+                    names.add(comm.read().strip())
+            except FileNotFoundError:  # another test's thread ended since the listing
+                continue
         assert "pw-native-relay" in names
     finally:
         relay.close()
