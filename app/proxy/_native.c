@@ -502,7 +502,7 @@ static int head_take(Stream *s, int64_t now) {
         || (status_len > 12 && d[12] != ' '))
         return -1;
     for (const char *q = d + 12; q < eol; q++)
-        if ((unsigned char)*q < 0x20 && *q != '\t') return -1;
+        if (((unsigned char)*q < 0x20 && *q != '\t') || *q == 0x7f) return -1;
     if (out_reserve(s, s->head_pre_len + head_len + s->head_rid_len + s->head_post_len) < 0)
         return -1;
     Py_ssize_t out0 = s->out_len;

@@ -7,7 +7,10 @@ event for timing (`stream.py`) and, under phasewatch's own server, written strai
 client's transport (`client_leg.py`): no task wake-up and no ASGI message per chunk. The
 response's head goes out from the read callback too, in the same write as the first token
 that came with it; the relay's coroutine wakes only for the request and the exchange's end.
-Under another ASGI server the same bytes go out as ASGI messages.
+Under another ASGI server the same bytes go out as ASGI messages. A stream counted exactly
+from its first token goes instead to the native leg as its request is sent (native.py): its
+head, first token and the rest are relayed below Python, and Python reads the upstream's head
+(`Head`) and the stream's timing when it next looks at it.
 
 How an exchange ends is one value, `Phase`, moved in one place (`_move`): the upstream ended
 its body, the upstream broke off, the client left, or the idle timeout found it silent. The
@@ -59,7 +62,7 @@ from phasewatch.proxy.request_plan import RequestPlan, plan_request
 from phasewatch.proxy.shutdown import Stage
 from phasewatch.proxy.stream import StreamFeed
 from phasewatch.proxy.timing import NS, Counting, StreamTiming
-from phasewatch.proxy.upstream_pool import UpstreamConnection
+from phasewatch.proxy.upstream_pool import ConnState, UpstreamConnection
 
 if TYPE_CHECKING:  # imported only when switched on: it needs the `otel` extra
     from phasewatch.otel.export import RequestTrace
@@ -279,12 +282,7 @@ class Exchange:
 
     def _replay(self, stream: Stream) -> None:
         if self._head is Head.NATIVE:
-            head = stream.head
-            if head is not None and self._conn is not None:
-                # The native leg wrote the client's head: the upstream's goes through the
-                # parser as a read, so `on_head` sets what it sets (and writes nothing).
-                self._head = Head.TAKEN
-                self._conn.take(head, stream.head_ns)
+            self._take_head(stream)
         last_read_ns, blocked_ns = replay(stream, self._timing)
         if last_read_ns > self.last_read_ns:
             self.last_read_ns = last_read_ns
@@ -318,7 +316,8 @@ class Exchange:
         self.last_read_ns = perf_counter_ns()
         self._responded = True
         self._status, self._headers = status, headers
-        if status == 200 and _content_type(headers).startswith(b"text/event-stream"):
+        if native_wrote_it or (status == 200
+                               and _content_type(headers).startswith(b"text/event-stream")):
             ctx, timing = self._ctx, self._timing
             # Served: the model earns its label. TTFT and ITL are observed as they arrive.
             self.label = ctx.labels.label(self._plan.model, True)
@@ -467,6 +466,21 @@ class Exchange:
         self._head = Head.NATIVE
         self._replayed_ns = perf_counter_ns()
         self._ctx.metrics.native_streams.inc()
+
+    def _take_head(self, stream: Stream) -> None:
+        """The native leg wrote the client's head (if `stream.head` is there): the upstream's
+        goes through the connection's parser as a read, so that the parser stands at the body
+        and `on_head` sets what it sets (it writes nothing). On a connection already closed
+        `on_head` is told directly: the client has the head, so the exchange ends in-band."""
+        head = stream.head
+        if head is None:
+            return
+        self._head = Head.TAKEN
+        conn = self._conn
+        if conn is not None and conn.state is ConnState.BUSY:
+            conn.take(head, stream.head_ns)
+        if not self._status:
+            self.on_head(200, [])
 
     def native_returned(self, stream: Stream) -> None:
         """The native leg handed the stream back: go on from the byte it stopped at."""

@@ -121,7 +121,8 @@ class UpstreamConnection(asyncio.Protocol):
                 and self._last_read.endswith(b"%x\r\n%b\r\n" % (len(piece), piece)))
 
     def take(self, data: bytes, now_ns: int) -> None:
-        """Parse bytes the native relay read at `now_ns` and did not take, as a read."""
+        """Parse bytes the native relay read at `now_ns`, as a read: those it did not take, or
+        the response's head it took (and answered the client for)."""
         if self.state is ConnState.BUSY:
             self._read(data, now_ns)
 

@@ -175,7 +175,12 @@ def test_a_head_that_comes_in_pieces_is_taken_when_it_is_whole(pair: Pair) -> No
     b"transfer-encoding: chunked\r\n\r\n",
     b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
     b"HTTP/1.1 100 Continue\r\n\r\n" + PLAIN,
-], ids=["error", "json", "length", "until-close", "gzip", "folded", "http-1.0", "interim"])
+    b"HTTP/1.1 200 O\x7fK\r\ncontent-type: text/event-stream\r\n"
+    b"transfer-encoding: chunked\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-a: b\x01c\r\n"
+    b"transfer-encoding: chunked\r\n\r\n",
+], ids=["error", "json", "length", "until-close", "gzip", "folded", "http-1.0", "interim",
+        "control-in-status", "control-in-value"])
 def test_any_other_head_goes_back_to_python_whole_and_unanswered(pair: Pair,
                                                                  head: bytes) -> None:
     pair.send(head + _frame(_token(1)))
