@@ -139,11 +139,15 @@ def table(observed: list[Observed]) -> str:
 
 
 def test_the_native_relay_carried_the_streams(observed: list[Observed],
-                                              vllm_proxy_module: Proxy) -> None:
-    """vLLM's running token chunks pass the native relay's test (app/proxy/_native.c): the
-    streams above were handed to it, so the figures checked here are the native leg's."""
+                                              vllm_proxy_module: Proxy,
+                                              vllm_server: VLLMServer) -> None:
+    """vLLM's head, role chunk and running token chunks pass the native relay's tests
+    (app/proxy/_native.c): each stream above, and each of the warm-up round, was handed to it
+    as its request went out and never came back before its end (one handoff each), so the
+    figures checked here are the native leg's, TTFT included."""
     handed = vllm_proxy_module.sample("phasewatch_native_relay_streams_total")
-    assert handed >= len(observed), (handed, len(observed))
+    streams = len(observed) + len(kinds(vllm_server.model))
+    assert handed == streams, (handed, streams)
 
 
 def test_counts_are_exact(observed: list[Observed]) -> None:
