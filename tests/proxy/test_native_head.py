@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import select
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ import pytest
 from phasewatch.proxy.asgi import client_response_headers
 from phasewatch.proxy.native import Ending
 from phasewatch.proxy.timing import Counting, StreamTiming
+from tests.support.native_pair import NativePair
 
 _native = pytest.importorskip("phasewatch.proxy._native",
                               reason="the native relay is not built here")
@@ -72,41 +72,15 @@ def _python_head(upstream_head: bytes) -> bytes:
     return PREFIX + b"".join(b"%b: %b\r\n" % pair for pair in headers) + END_OF_HEAD
 
 
-class Pair:
+class Pair(NativePair):
     """An exchange handed to the thread as its request went out, between socket pairs."""
 
     def __init__(self, relay: Any, strip: bool = True) -> None:
-        self.relay = relay
-        self.up, self.upstream = socket.socketpair()
-        self.client, self.remote = socket.socketpair()
-        self.stream = relay.start(self.up.fileno(), self.client.fileno(), strip, strip, self,
-                                  (PREFIX, REQUEST_ID, END_OF_HEAD))
-        self.received = b""
-
-    def send(self, *parts: bytes) -> None:
-        self.upstream.sendall(b"".join(parts))
+        super().__init__(relay, strip, strip, (PREFIX, REQUEST_ID, END_OF_HEAD))
 
     def relayed(self, events: int) -> None:
         """Wait until the client has this many whole events."""
-        while self.received.count(b"\n\n\r\n") < events:
-            ready, _, _ = select.select([self.remote], [], [], 10)
-            assert ready, "the thread relayed nothing more"
-            self.received += self.remote.recv(65536)
-
-    def back(self) -> Any:
-        ready, _, _ = select.select([self.relay.fileno()], [], [], 10)
-        assert ready, "the stream did not come back"
-        assert self.relay.finished() == [self.stream]
-        self.remote.setblocking(False)
-        try:
-            self.received += self.remote.recv(65536)
-        except BlockingIOError:
-            pass
-        return self.stream
-
-    def close(self) -> None:
-        for sock in (self.up, self.upstream, self.client, self.remote):
-            sock.close()
+        self.wait_for(lambda received: received.count(b"\n\n\r\n") >= events)
 
 
 @pytest.fixture

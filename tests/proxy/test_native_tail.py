@@ -12,8 +12,6 @@ and anything the thread must not take plainly comes back to Python at that chunk
 from __future__ import annotations
 
 import array
-import select
-import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +24,7 @@ from phasewatch.proxy.native import Ending
 from phasewatch.proxy.request_plan import plan_request
 from phasewatch.proxy.stream import StreamFeed
 from phasewatch.proxy.timing import Counting, StreamTiming
+from tests.support.native_pair import NativePair
 
 _native = pytest.importorskip("phasewatch.proxy._native",
                               reason="the native relay is not built here")
@@ -93,48 +92,16 @@ def _unframed(data: bytes) -> bytes:
     return b"".join(out)
 
 
-class Pair:
+class Pair(NativePair):
     """A stream held by the thread, between two socket pairs we drive."""
 
     def __init__(self, relay: Any, ask: str) -> None:
-        self.relay = relay
-        self.up, self.upstream = socket.socketpair()
-        self.client, self.remote = socket.socketpair()
         plan = _plan(ask)
-        self.stream = relay.start(self.up.fileno(), self.client.fileno(),
-                                  plan.strip_chunk_usage, plan.strip_final_usage, self)
-        self.received = b""
-
-    def send(self, *chunks: bytes) -> None:
-        """One upstream write of these framed chunks."""
-        self.upstream.sendall(b"".join(chunks))
+        super().__init__(relay, plan.strip_chunk_usage, plan.strip_final_usage)
 
     def relayed(self, ending: bytes) -> None:
         """Wait until what the client got from the thread ends with `ending`."""
-        while not self.received.endswith(ending):
-            ready, _, _ = select.select([self.remote], [], [], 10)
-            assert ready, "the thread relayed nothing more"
-            self.received += self.remote.recv(65536)
-
-    def back(self) -> Any:
-        """Wait for the stream to come back; then what the client got from the thread."""
-        ready, _, _ = select.select([self.relay.fileno()], [], [], 10)
-        assert ready, "the stream did not come back"
-        assert self.relay.finished() == [self.stream]
-        self.remote.setblocking(False)
-        while True:
-            try:
-                data = self.remote.recv(65536)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            self.received += data
-        return self.stream
-
-    def close(self) -> None:
-        for sock in (self.up, self.upstream, self.client, self.remote):
-            sock.close()
+        self.wait_for(lambda received: received.endswith(ending))
 
 
 @pytest.fixture
