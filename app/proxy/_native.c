@@ -31,8 +31,9 @@
  * (Python's parts around the upstream's headers, filtered as `client_response_headers` does)
  * in the same write as the first token, and keeps a copy of the upstream's head for Python to
  * parse for its own state (`head`). Until the first token the thread takes only a plain token
- * chunk with a count, or vLLM's role chunk (no output, count 0): anything else, and any other
- * head, goes back to Python with every byte read, as if the thread had never had it.
+ * chunk with a count, or vLLM's role chunk (no output, count 0). Any other head goes back to
+ * Python with every byte read and nothing written, as if the thread had never had it; any other
+ * first event, from that event's first byte, the client's head having gone out.
  *
  * Sockets: the thread works on duplicates of the two descriptors, so that a close by the event
  * loop never leaves it writing to a reused number. While it holds a stream, the event loop has

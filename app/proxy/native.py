@@ -32,8 +32,9 @@ is a plain `200` event stream it writes the client's head, made as the Python pa
 filters them), in one write with the first token, and keeps the upstream's head (`head`) for
 Python to parse into its own state (the response's status, label and metrics, the client
 cycle's) when it next looks at the stream: its first replay. Until the first token the thread
-takes only that token's chunk or vLLM's role chunk. Any other head, or first event, goes back
-to Python with every byte, before anything is written. The first token's time is replayed
+takes only that token's chunk or vLLM's role chunk. Any other head goes back to Python with
+every byte read and nothing written; any other first event, from its first byte, after the
+client's head. The first token's time is replayed
 like the others, so its TTFT reaches the histogram at that replay: on the live registry's
 first pass after it (a pass replays a stream still without a first token), before a render of
 `/metrics` or a snapshot, or at the stream's end.
