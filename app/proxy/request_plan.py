@@ -56,4 +56,4 @@ def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
         new_options["continuous_usage_stats"] = True
     obj["stream_options"] = new_options
     return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous, single,
-                       True)
+                       add_continuous or wants_continuous)

@@ -240,6 +240,23 @@ def test_plan_says_whether_the_request_asks_one_choice() -> None:
     assert not plan_request(b'{"stream": true, "n": 2}', True).single_choice
 
 
+@pytest.mark.parametrize(("options", "continuous", "running"), [
+    (None, True, True),  # phasewatch asks for it (the default)
+    (None, False, False),  # PHASEWATCH_UPSTREAM_CONTINUOUS_USAGE off: final usage alone
+    ({"include_usage": True}, False, False),
+    ({"include_usage": True, "continuous_usage_stats": True}, False, True),  # the client asks
+    ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+])
+def test_plan_says_whether_every_chunk_will_carry_usage(
+        options: dict[str, bool] | None, continuous: bool, running: bool) -> None:
+    """What the native leg needs to take a stream from its head (relay.py)."""
+    body: dict[str, object] = {"model": "m", "prompt": "hi", "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    assert plan_request(orjson.dumps(body), continuous).running_usage is running
+    assert not plan_request(orjson.dumps({**body, "stream": False}), True).running_usage
+
+
 def test_timing_one_token_per_chunk_counts_as_exact_when_totals_agree() -> None:
     itl = Observed()
     t = StreamTiming(arrival_ns=0, observe_itl=itl.observe)
