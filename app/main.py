@@ -61,7 +61,7 @@ from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send
 from phasewatch.proxy.client_leg import SHUTDOWN_HOOK
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.labels import ModelLabels
-from phasewatch.proxy.live import REPLAY_S, LiveGauges, LiveStreams
+from phasewatch.proxy.live import LiveGauges, LiveStreams
 from phasewatch.proxy.native import native_relay
 from phasewatch.proxy.passthrough import pass_through
 from phasewatch.proxy.relay import ENDPOINTS, relay
@@ -157,9 +157,7 @@ def create_app(
                             settings.upstream_max_connections)
         live = LiveStreams(settings.upstream_idle_timeout_s, settings.stall_threshold_s,
                            LiveGauges(registry), settings.live_snapshot_max_requests,
-                           settings.client_stall_timeout_s,
-                           # another process's scrape cannot replay this one's streams
-                           REPLAY_S if exposition.multiprocess else None)
+                           settings.client_stall_timeout_s)
         # A scrape of this process counts every token relayed before it (app/proxy/live.py).
         exposition.before_render = partial(live.refresh, full=True)
         app.state.proxy = ProxyContext(

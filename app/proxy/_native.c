@@ -829,17 +829,15 @@ static PyObject *Stream_poll(Stream *s, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *Stream_clocks(Stream *s, PyObject *Py_UNUSED(ignored)) {
-    /* (last read, blocked since, reads logged), as `poll` gives the first two, leaving the
-     * logged events where they are: what the live registry's timeouts read on a pass that
-     * replays nothing, and how much a replay would take in. */
+    /* (last read, blocked since), as `poll` gives them, leaving the logged events where they
+     * are: what the live registry's timeouts read on a pass that replays nothing. */
     Relay *r = s->relay;
-    int64_t last, blocked, logged;
+    int64_t last, blocked;
     pthread_mutex_lock(&r->lock);
     last = s->last_read_ns;
     blocked = s->blocked_since_ns;
-    logged = s->log_len / 3;
     pthread_mutex_unlock(&r->lock);
-    return Py_BuildValue("(LLL)", (long long)last, (long long)blocked, (long long)logged);
+    return Py_BuildValue("(LL)", (long long)last, (long long)blocked);
 }
 
 static PyObject *Stream_stop(Stream *s, PyObject *Py_UNUSED(ignored)) {

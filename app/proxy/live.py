@@ -16,14 +16,10 @@ client stall / 4)`), one pass over them:
 
 Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
 held by the native leg catches up at the start of each pass (`refresh`, native.py): its clocks
-on every pass, and its timing (the replay of what the thread relayed: the ITL observations)
-before a snapshot and before each render of `/metrics` (`refresh(full=True)`), on each pass
-until its first token, and once the thread has logged `REPLAY_EVENTS` events for it (which
-bounds the log it holds). Under several workers a pass also replays it once `REPLAY_S` have
-gone by since its last (`replay_s`), since another worker's scrape cannot replay it; in one
-process every reader of a stream's timing replays it first, so passes need not. A replay
-costs several times the clocks, and a thousand open streams would otherwise replay every
-second whatever reads them.
+on every pass, its timing (the replay of what the thread relayed: the ITL observations) once
+`REPLAY_S` have gone by since its last, and all of them before a snapshot and before each
+render of `/metrics` (`refresh(full=True)`). A replay costs several times the clocks, and a
+thousand open streams would otherwise replay every second whatever reads them.
 
 The per-stream work of a pass and of a snapshot (a replay, a stream's figures) is done
 `SLICE` streams at a time, yielding to the event loop between slices: with a thousand open
@@ -36,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -45,9 +42,7 @@ from phasewatch.core.live import InFlight, LiveCounts
 
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
-REPLAY_S = 5.0  # under several workers, a pass replays a native stream this long after its last
-REPLAY_EVENTS = 1024  # a pass replays a native stream that has logged this many events (24 KB)
-_NEVER_NS = 1 << 62  # no replay by time (one process)
+REPLAY_S = 5.0  # a pass replays a native stream's log this long after its last replay
 
 
 class Watched(Protocol):
@@ -56,10 +51,9 @@ class Watched(Protocol):
     last_read_ns: int  # perf_counter_ns() of the upstream's last read (or the request's arrival)
     client_blocked_ns: int  # since when the client has not taken what is written (0: it does)
 
-    def refresh(self, now_ns: int, every_ns: int, most_logged: int) -> None:
+    def refresh(self, now_ns: int, every_ns: int) -> None:
         """Bring the two clocks up to date, and the timing too if its last update is `every_ns`
-        or more before `now_ns`, or `most_logged` events or more wait (the native leg,
-        native.py)."""
+        or more before `now_ns` (the native leg, native.py)."""
 
     def idle_timeout(self) -> None: ...
 
@@ -74,7 +68,8 @@ class Watched(Protocol):
         """The stream as a plain value for the diagnosis (`wall_now`: POSIX seconds)."""
 
 
-class LiveView(NamedTuple):
+@dataclass(slots=True)
+class LiveView:
     """One open stream's live state, read on each pass."""
 
     model: str  # its model label
@@ -144,17 +139,13 @@ def live_counts(views: Iterable[tuple[LiveView, int]], now_ns: int,
 
 class LiveStreams:
     def __init__(self, idle_s: float, stall_s: float, gauges: LiveGauges | None = None,
-                 snapshot_limit: int = 1000, client_stall_s: float = 60.0,
-                 replay_s: float | None = None) -> None:
-        """`replay_s`: replay each native stream on a pass once this long has gone by since its
-        last replay (several workers: `REPLAY_S`); None: only as the module says."""
+                 snapshot_limit: int = 1000, client_stall_s: float = 60.0) -> None:
         self.idle_ns = int(idle_s * NS)
         self.client_stall_ns = int(client_stall_s * NS)
         self.stall_ns = int(stall_s * NS)
         self.period_s = min(1.0, idle_s / 4, client_stall_s / 4)
         self.snapshot_limit = snapshot_limit
         self._gauges = gauges
-        self._replay_ns = _NEVER_NS if replay_s is None else int(replay_s * NS)
         self._open: set[Watched] = set()
 
     def __len__(self) -> int:
@@ -167,16 +158,16 @@ class LiveStreams:
         self._open.discard(exchange)
 
     async def refresh(self, full: bool = False) -> None:
-        """Bring every open exchange's clocks up to date, and its timing when due (`full`: every
-        one's; `Watched.refresh`), a slice at a time."""
+        """Bring every open exchange's clocks up to date, and its timing if it has not been for
+        `REPLAY_S` (`full`: every one's; `Watched.refresh`), a slice at a time."""
         exchanges = list(self._open)
         now_ns = perf_counter_ns()
-        every_ns, most_logged = (0, 0) if full else (self._replay_ns, REPLAY_EVENTS)
+        every_ns = 0 if full else int(REPLAY_S * NS)
         for start in range(0, len(exchanges), SLICE):
             if start:
                 await asyncio.sleep(0)
             for exchange in exchanges[start:start + SLICE]:
-                exchange.refresh(now_ns, every_ns, most_logged)
+                exchange.refresh(now_ns, every_ns)
 
     def check(self, now_ns: int) -> int:
         """End every exchange silent past the idle timeout, or whose client has not read for
@@ -204,8 +195,13 @@ class LiveStreams:
         return len(ending)
 
     def counts(self, now_ns: int) -> dict[str, LiveCounts]:
-        views = [(view, e.last_read_ns) for e in self._open if (view := e.live_view()) is not None]
-        return live_counts(views, now_ns, self.stall_ns)
+        return live_counts(self._views(), now_ns, self.stall_ns)
+
+    def _views(self) -> Iterable[tuple[LiveView, int]]:
+        for exchange in self._open:
+            view = exchange.live_view()
+            if view is not None:
+                yield view, exchange.last_read_ns
 
     async def snapshot(self, now_ns: int | None = None) -> list[InFlight]:
         """The open streams as plain values, at most `snapshot_limit`: those waiting for their
@@ -223,7 +219,7 @@ class LiveStreams:
             if start:
                 await asyncio.sleep(0)
             for exchange in chosen[start:start + SLICE]:
-                exchange.refresh(replayed_ns, 0, 0)  # its gaps so far, for its ITL figures
+                exchange.refresh(replayed_ns, 0)  # its gaps so far, for its ITL figures
                 values.append(exchange.in_flight(now_ns, wall_now))
         return values
 

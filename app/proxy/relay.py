@@ -96,7 +96,7 @@ class Phase(Enum):
     CLIENT_STALLED = "client_stalled"  # the client stopped reading for the client stall timeout
 
     # Members are singletons: hashed by identity in C, not by name in Python (`Enum.__hash__`),
-    # for the tests of `_ENDINGS` on every pass of the live registry and at each read.
+    # for the tests of `_ENDINGS` on every pass of the live registry.
     __hash__ = object.__hash__
 
 
@@ -267,22 +267,20 @@ class Exchange:
             itl_max_s=largest, prompt_tokens=timing.prompt_tokens,
             in_flight=record.in_flight_at_arrival or 0)
 
-    def refresh(self, now_ns: int, every_ns: int, most_logged: int) -> None:
+    def refresh(self, now_ns: int, every_ns: int) -> None:
         """Called by the live registry: the idle and stall clocks of a stream the native leg
         holds, brought up to date; and, when its last replay is `every_ns` or more before
-        `now_ns` or the thread has logged `most_logged` events or more since, what it relayed
-        goes into the timing (its ITL observations)."""
+        `now_ns`, what it relayed since goes into the timing (its ITL observations)."""
         stream = self._native
         if stream is None:
             return
-        last_read_ns, self.client_blocked_ns, logged = stream.clocks()
         # A stream the native leg took from its head is replayed on each pass until its first
         # token: its head and TTFT reach the live gauges and the histogram a pass after them.
-        if (now_ns - self._replayed_ns >= every_ns or logged >= most_logged
-                or self._timing.first_output_ns is None):
+        if now_ns - self._replayed_ns >= every_ns or self._timing.first_output_ns is None:
             self._replayed_ns = now_ns
             self._replay(stream)
             return
+        last_read_ns, self.client_blocked_ns = stream.clocks()
         if last_read_ns > self.last_read_ns:
             self.last_read_ns = last_read_ns
 

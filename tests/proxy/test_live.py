@@ -14,17 +14,9 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 
 from phasewatch.core.live import InFlight
-from phasewatch.proxy.live import (
-    REPLAY_EVENTS,
-    REPLAY_S,
-    SLICE,
-    LiveStreams,
-    LiveView,
-    live_counts,
-)
+from phasewatch.proxy.live import REPLAY_S, SLICE, LiveStreams, LiveView, live_counts
 from tests.conftest import Proxy
 from tests.support.served import parse_metrics, total, wait_for
 
@@ -119,11 +111,11 @@ class FakeExchange:
         self.timed_out = False
         self.ended = ""
         self.refreshed = 0  # passes that brought it up to date
-        self.replay_when: list[tuple[int, int]] = []  # each refresh's (every_ns, most_logged)
+        self.replay_every: list[int] = []  # each refresh's `every_ns`
 
-    def refresh(self, now_ns: int, every_ns: int, most_logged: int) -> None:
+    def refresh(self, now_ns: int, every_ns: int) -> None:
         self.refreshed += 1
-        self.replay_when.append((every_ns, most_logged))
+        self.replay_every.append(every_ns)
 
     def idle_timeout(self) -> None:
         self.timed_out = True
@@ -185,29 +177,20 @@ def test_registry_ends_an_exchange_whose_client_stopped_reading() -> None:
     assert blocked.ended == "client stalled" and reading.ended == "" and len(registry) == 1
 
 
-@pytest.mark.parametrize("replay_s", [None, REPLAY_S])
-def test_a_pass_replays_a_native_log_only_when_due_a_snapshot_and_a_scrape_always(
-        replay_s: float | None) -> None:
+def test_a_pass_replays_a_native_log_only_when_due_a_snapshot_and_a_scrape_always() -> None:
     """Every pass brings every stream's clocks up to date; its timing (the native leg's replay)
-    once REPLAY_EVENTS events wait, and under several workers (`replay_s`) once REPLAY_S have
-    gone by since its last, never by time in one process; a snapshot and a full refresh
-    (before each render of /metrics) replay every stream they read."""
+    only once REPLAY_S have gone by since its last; a snapshot and a full refresh (before each
+    render of /metrics) replay every stream they read."""
     async def main() -> None:
-        registry = LiveStreams(idle_s=600.0, stall_s=5.0, replay_s=replay_s)
+        registry = LiveStreams(idle_s=600.0, stall_s=5.0)
         exchanges = [FakeExchange("a", i * NS, None, last_read_ns=i * NS) for i in range(3)]
         for exchange in exchanges:
             registry.watch(exchange)
         await registry.refresh()
-        [(every_ns, most_logged)] = exchanges[0].replay_when
-        assert most_logged == REPLAY_EVENTS
-        if replay_s is None:
-            assert every_ns > 100 * 365 * 86400 * NS  # a century: never
-        else:
-            assert every_ns == int(REPLAY_S * NS)
+        assert all(e.replay_every == [int(REPLAY_S * NS)] for e in exchanges)
         await registry.refresh(full=True)
         await registry.snapshot(10 * NS)
-        assert all(e.replay_when == [(every_ns, REPLAY_EVENTS), (0, 0), (0, 0)]
-                   for e in exchanges)
+        assert all(e.replay_every == [int(REPLAY_S * NS), 0, 0] for e in exchanges)
 
     asyncio.run(main())
 

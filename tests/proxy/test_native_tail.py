@@ -212,17 +212,3 @@ def test_the_thread_counts_as_the_python_path_times(relay: Any) -> None:
         assert timing.prompt_tokens == 7 and timing.gaps.count == 5
     finally:
         pair.close()
-
-
-def test_the_clocks_count_the_events_waiting_for_a_replay(relay: Any) -> None:
-    # The live registry replays a stream once REPLAY_EVENTS wait (app/proxy/live.py).
-    pair = Pair(relay, "usage-cut")
-    try:
-        assert pair.stream.clocks()[2] == 0
-        pair.send(*(_frame(e) for e in TOKENS))
-        pair.wait_for(lambda received: b'"t5"' in received)
-        assert pair.stream.clocks()[2] == len(TOKENS)
-        assert _counts(pair.stream) == [2, 3, 4, 5]
-        assert pair.stream.clocks()[2] == 0
-    finally:
-        pair.close()
