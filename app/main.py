@@ -22,7 +22,6 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import aiohttp
@@ -157,9 +156,10 @@ def create_app(
                             settings.upstream_max_connections)
         live = LiveStreams(settings.upstream_idle_timeout_s, settings.stall_threshold_s,
                            LiveGauges(registry), settings.live_snapshot_max_requests,
-                           settings.client_stall_timeout_s)
+                           settings.client_stall_timeout_s,
+                           gauges_each_pass=exposition.multiprocess)
         # A scrape of this process counts every token relayed before it (app/proxy/live.py).
-        exposition.before_render = partial(live.refresh, full=True)
+        exposition.before_render = live.before_render
         app.state.proxy = ProxyContext(
             settings=settings,
             session=session,

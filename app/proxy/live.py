@@ -9,9 +9,13 @@ client stall / 4)`), one pass over them:
   periodic look instead of a timer re-armed on every read (aiohttp's `sock_read` cancels and
   creates one per chunk, a measurable share of the per-chunk cost); a silent exchange ends
   between `idle` and `idle + period` after its last read;
-- sets the live gauges of each model (`LiveGauges`): streams waiting for their first token,
-  streams decoding, the age of the oldest stream still waiting, and decoding streams silent
-  for longer than the stall threshold. A model whose streams have all ended reads 0.
+- under several workers, sets the live gauges of each model (`LiveGauges`): streams waiting
+  for their first token, streams decoding, the age of the oldest stream still waiting, and
+  decoding streams silent for longer than the stall threshold. A model whose streams have all
+  ended reads 0. Another worker's scrape reads them from this one's metrics file, so they are
+  kept current. In one process the render of `/metrics` sets them instead, as it starts
+  (`before_render`): exact at the scrape, and no per-stream work between scrapes (a pass over
+  a thousand streams costs about a tenth of the event loop's time relaying them).
 `snapshot()` gives the open streams as `InFlight` values for the diagnosis.
 
 Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
@@ -139,13 +143,16 @@ def live_counts(views: Iterable[tuple[LiveView, int]], now_ns: int,
 
 class LiveStreams:
     def __init__(self, idle_s: float, stall_s: float, gauges: LiveGauges | None = None,
-                 snapshot_limit: int = 1000, client_stall_s: float = 60.0) -> None:
+                 snapshot_limit: int = 1000, client_stall_s: float = 60.0,
+                 gauges_each_pass: bool = False) -> None:
         self.idle_ns = int(idle_s * NS)
         self.client_stall_ns = int(client_stall_s * NS)
         self.stall_ns = int(stall_s * NS)
         self.period_s = min(1.0, idle_s / 4, client_stall_s / 4)
         self.snapshot_limit = snapshot_limit
         self._gauges = gauges
+        # Several workers: every pass sets the gauges (another worker's scrape reads them).
+        self.gauges_each_pass = gauges_each_pass
         self._open: set[Watched] = set()
 
     def __len__(self) -> int:
@@ -169,10 +176,21 @@ class LiveStreams:
             for exchange in exchanges[start:start + SLICE]:
                 exchange.refresh(now_ns, every_ns)
 
+    async def before_render(self) -> None:
+        """Before a render of `/metrics` by this process: every stream's timing replayed, and
+        the gauges set as of now."""
+        await self.refresh(full=True)
+        self.set_gauges(perf_counter_ns())
+
+    def set_gauges(self, now_ns: int) -> None:
+        if self._gauges is not None:
+            self._gauges.set(self.counts(now_ns))
+
     def check(self, now_ns: int) -> int:
         """End every exchange silent past the idle timeout, or whose client has not read for
-        the client stall timeout, and set the gauges; return how many were ended. Reads the
-        clocks as they are: `refresh()` first brings those of native streams up to date."""
+        the client stall timeout, and set the gauges if every pass does; return how many were
+        ended. Reads the clocks as they are: `refresh()` first brings those of native streams
+        up to date."""
         silent = [e for e in self._open if now_ns - e.last_read_ns > self.idle_ns]
         for exchange in silent:
             self._open.discard(exchange)
@@ -182,8 +200,8 @@ class LiveStreams:
         for exchange in blocked:
             self._open.discard(exchange)
             exchange.client_stalled()
-        if self._gauges is not None:
-            self._gauges.set(self.counts(now_ns))
+        if self.gauges_each_pass:
+            self.set_gauges(now_ns)
         return len(silent) + len(blocked)
 
     def end_all(self) -> int:

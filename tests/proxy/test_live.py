@@ -14,9 +14,11 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
+from prometheus_client import CollectorRegistry
 
 from phasewatch.core.live import InFlight
-from phasewatch.proxy.live import REPLAY_S, SLICE, LiveStreams, LiveView, live_counts
+from phasewatch.proxy.live import REPLAY_S, SLICE, LiveGauges, LiveStreams, LiveView, live_counts
 from tests.conftest import Proxy
 from tests.support.served import parse_metrics, total, wait_for
 
@@ -81,8 +83,8 @@ def test_live_gauges_show_waiting_decoding_and_stalled_streams(
     waiting = stream_in_thread(proxy, {"tokens": [[1.5, "a", 1]]})  # waits 1.5 s
     stalled = stream_in_thread(proxy, {"tokens": [[0.05, "a", 1], [1.5, "b", 1]]})
 
-    def gauge(name: str) -> float:
-        return proxy.sample(name, model)
+    def gauge(name: str) -> float:  # as a scrape reads it: the render sets the gauges
+        return total(parse_metrics(httpx.get(proxy.url + "/metrics").text), name, **model)
 
     wait_for(lambda: gauge("phasewatch_streams_stalled") == 1
              and gauge("phasewatch_oldest_waiting_seconds") >= 0.3)
@@ -224,3 +226,25 @@ def test_a_pass_and_a_snapshot_give_the_event_loop_its_turn_between_slices() -> 
         assert [s.age_s for s in snapshot] == [1000.0 - i for i in range(len(exchanges))]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("each_pass", [False, True])
+def test_the_gauges_are_set_on_each_pass_under_several_workers_else_at_each_render(
+        each_pass: bool) -> None:
+    """Another worker's scrape reads this worker's gauges from its file, so under several
+    workers every pass sets them; in one process the render of /metrics does, as it starts."""
+    registry = CollectorRegistry()
+    live = LiveStreams(idle_s=600.0, stall_s=5.0, gauges=LiveGauges(registry),
+                       gauges_each_pass=each_pass)
+    now = 100 * NS
+    live.watch(FakeExchange("a", 90 * NS, None, last_read_ns=90 * NS))
+    live.watch(FakeExchange("a", 50 * NS, 60 * NS, last_read_ns=99 * NS))
+    assert live.check(now) == 0
+
+    def gauge(name: str) -> float | None:
+        return registry.get_sample_value(name, {"model": "a"})
+
+    assert gauge("phasewatch_streams_waiting") == (1 if each_pass else None)
+    asyncio.run(live.before_render())
+    assert gauge("phasewatch_streams_waiting") == 1
+    assert gauge("phasewatch_streams_decoding") == 1
