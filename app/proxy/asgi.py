@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from random import getrandbits
 from typing import Any
 
 import orjson
@@ -39,11 +40,29 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
+CONTENT_LENGTH = b"content-length"
+
+
 def header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
             return bytes(value)
     return None
+
+
+def new_request_id() -> str:
+    """An id for a request that came without one: 128 random bits, in hex. Not a secret, so
+    not from the kernel on each request (os.urandom is a system call)."""
+    return f"{getrandbits(128):032x}"
+
+
+def headers_named(scope: Scope, names: frozenset[bytes]) -> dict[bytes, bytes]:
+    """The first value of each of `names` the request carries, in one look at its headers."""
+    found: dict[bytes, bytes] = {}
+    for key, value in scope["headers"]:
+        if key in names and key not in found:
+            found[key] = bytes(value)
+    return found
 
 
 def upstream_request_headers(scope: Scope, request_id: str) -> list[tuple[str, str]]:
@@ -69,10 +88,10 @@ def client_response_headers(
     return headers
 
 
-async def read_body(receive: Receive, scope: Scope, limit: int) -> bytes:
+async def read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes:
     """The whole request body; raises BodyTooLarge as soon as it is known to be over `limit`
-    bytes (from its Content-Length, or as it is read: never more than that is held)."""
-    declared = header(scope, b"content-length")
+    bytes (from its Content-Length, `declared`, or as it is read: never more than that is
+    held)."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []

@@ -6,12 +6,11 @@ the answer comes back unchanged and unbuffered.
 
 from __future__ import annotations
 
-import os
-
 import aiohttp
 from yarl import URL
 
 from phasewatch.proxy.asgi import (
+    CONTENT_LENGTH,
     REQUEST_ID,
     BodyTooLarge,
     ClientGone,
@@ -19,7 +18,8 @@ from phasewatch.proxy.asgi import (
     Scope,
     Send,
     client_response_headers,
-    header,
+    headers_named,
+    new_request_id,
     read_body,
     refuse_body,
     send_error,
@@ -28,12 +28,15 @@ from phasewatch.proxy.asgi import (
 )
 from phasewatch.proxy.context import ProxyContext
 
+_NAMED = frozenset({REQUEST_ID, CONTENT_LENGTH})
+
 
 async def pass_through(ctx: ProxyContext, scope: Scope, receive: Receive, send: Send) -> None:
     """Relay any request to the same path on the upstream."""
-    request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or os.urandom(16).hex()
+    named = headers_named(scope, _NAMED)
+    request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
     try:
-        body = await read_body(receive, scope, ctx.settings.max_body_bytes)
+        body = await read_body(receive, named.get(CONTENT_LENGTH), ctx.settings.max_body_bytes)
     except ClientGone:
         return
     except BodyTooLarge as exc:

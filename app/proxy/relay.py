@@ -37,6 +37,7 @@ from phasewatch.core.live import InFlight
 from phasewatch.core.metrics import request_exemplar
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.asgi import (
+    CONTENT_LENGTH,
     NOT_FORWARDED,
     REQUEST_ID,
     RUN_ID,
@@ -47,7 +48,8 @@ from phasewatch.proxy.asgi import (
     Send,
     client_response_headers,
     error_body,
-    header,
+    headers_named,
+    new_request_id,
     read_body,
     refuse_body,
     send_error,
@@ -110,6 +112,8 @@ class Head(Enum):
 
 _ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_TIMEOUT,
                       Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
+# The request headers the relay reads.
+_NAMED = frozenset({REQUEST_ID, RUN_ID, CONTENT_LENGTH})
 # Endings that may find the task blocked in an ASGI send the client does not drain.
 _FORCED = frozenset({Phase.IDLE_TIMEOUT, Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
 
@@ -120,9 +124,10 @@ async def relay(
     leg = client_leg(scope)
     arrival_ns = leg.arrival_ns if leg is not None else perf_counter_ns()
     timing = StreamTiming(arrival_ns)
-    request_id = (header(scope, REQUEST_ID) or b"").decode("latin-1") or os.urandom(16).hex()
+    named = headers_named(scope, _NAMED)
+    request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
     # Filing a request under a benchmark run changes that run's figures: only an admin may.
-    run_id = header(scope, RUN_ID) if ctx.admin.allows(scope["headers"], bearer=False) else None
+    run_id = named.get(RUN_ID) if ctx.admin.allows(scope["headers"], bearer=False) else None
     record = RequestRecord(
         request_id=request_id,
         started_at=datetime.now(UTC),
@@ -145,7 +150,7 @@ async def relay(
             await send_error(send, 503, "phasewatch is shutting down: retry",
                              "service_unavailable", request_id, close=True)
             return
-        body = await read_body(receive, scope, ctx.settings.max_body_bytes)
+        body = await read_body(receive, named.get(CONTENT_LENGTH), ctx.settings.max_body_bytes)
         plan = plan_request(body, ctx.settings.upstream_continuous_usage)
         record.model, record.stream = plan.model, plan.stream
         timing.single_choice = plan.single_choice
