@@ -14,8 +14,8 @@ client stall / 4)`), one pass over them:
   decoding streams silent for longer than the stall threshold. A model whose streams have all
   ended reads 0. Another worker's scrape reads them from this one's metrics file, so they are
   kept current. In one process the render of `/metrics` sets them instead, as it starts
-  (`before_render`): exact at the scrape, and no per-stream work between scrapes (a pass over
-  a thousand streams costs about a tenth of the event loop's time relaying them).
+  (`before_render`): exact at the scrape, and no view of every stream and count of every
+  model each second, whoever reads them.
 `snapshot()` gives the open streams as `InFlight` values for the diagnosis.
 
 Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
