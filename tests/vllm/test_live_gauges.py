@@ -9,8 +9,8 @@ scheduler. So, judged on medians over the run (two reads a few ms apart each tim
 - vLLM's running batch is phasewatch's decoding streams plus at most the one in prefill;
 - vLLM's requests are among phasewatch's: its waiting + running <= phasewatch's waiting +
   decoding, and its waiting <= phasewatch's waiting.
-The proxy's counts are read from its registry on its own loop, vLLM's from its /metrics, in
-turn, every few ms until every stream has ended.
+The proxy's counts are read from its registry on its own loop as a render of its /metrics
+reads them, vLLM's from its /metrics, in turn, every few ms until every stream has ended.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def proxy_counts(proxy: Proxy) -> tuple[int, int]:
     registry: LiveStreams = proxy.server.app.api.state.proxy.live
 
     async def read() -> tuple[int, int]:
+        # As a render of /metrics reads them (`before_render`): the streams the native leg
+        # holds replayed first, so a first token it relayed is counted.
+        await registry.refresh(full=True)
         counts = registry.counts(time.perf_counter_ns())
         return (sum(c.waiting for c in counts.values()),
                 sum(c.decoding for c in counts.values()))
