@@ -242,6 +242,7 @@ def create_app(
             await asyncio.gather(
                 writer.flush(timeout_s=settings.shutdown_flush_s),
                 *([otel.shutdown(settings.shutdown_flush_s)] if otel is not None else []))
+            await writer.close()
             await engine.dispose()
 
     app = FastAPI(title="phasewatch", version=__version__, lifespan=lifespan)

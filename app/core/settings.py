@@ -118,7 +118,7 @@ class Settings(BaseSettings):
     database_auto_upgrade: bool = False
     # The background writer stores records in batches of up to this many, at least this often.
     writer_batch_size: int = Field(default=100, ge=1)
-    writer_flush_interval_s: float = Field(default=0.2, gt=0)
+    writer_flush_interval_s: float = Field(default=1.0, gt=0)
     # Raw request rows are kept this long (per-minute rollups are kept); 0 keeps them forever.
     retention_days: float = Field(default=14.0, ge=0)
     retention_interval_s: float = Field(default=300.0, gt=0)

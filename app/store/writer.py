@@ -4,7 +4,10 @@ The relay only ever `offer`s records to the bounded queue. This task takes them 
 (up to `batch_size`, or whatever arrived within `flush_interval`), and inserts each batch in one
 statement. The writer shares the relay's event loop, so the insert takes the driver's cheapest
 path: Postgres's binary COPY, SQLite's executemany, both fed plain tuples (measured in
-benchmarks/store_scale.py: about a fifth of the CPU per record of an ORM-level insert).
+benchmarks/store_scale.py: about a fifth of the CPU per record of an ORM-level insert). It keeps
+one connection between batches instead of taking one from the pool for each: a checkout, its
+reset on return and (Postgres) its ping cost more than a small batch's insert. A connection
+that fails is dropped, and the next try opens a new one.
 
 If the database is slow or down, the batch is retried with backoff while the queue
 fills up to its bound, beyond which the queue drops and counts records; writing resumes by itself
@@ -100,6 +103,7 @@ class RecordWriter:
         self._flush_interval_s = flush_interval_s
         self._batch: list[RequestRecord] = []  # taken off the queue, not yet stored
         self._failing_since: float | None = None
+        self._connection: AsyncConnection | None = None  # kept between batches
 
     def failing_for_s(self) -> float:
         """How long storing has been failing (0 while it works)."""
@@ -130,11 +134,32 @@ class RecordWriter:
             except asyncio.QueueEmpty:
                 break
 
+    async def _insert(self, rows: list[list[Any]]) -> None:
+        """Insert rows in one transaction on the kept connection (opened if there is none);
+        any fault drops that connection."""
+        connection = self._connection
+        try:
+            if connection is None:
+                connection = self._connection = await self._engine.connect()
+            async with connection.begin():
+                await insert_rows(connection, rows)
+        except Exception:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Give back the kept connection (the writer opens another if it writes again)."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                await connection.close()
+            except Exception:  # a broken connection: the pool discards it
+                log.debug("closing the writer's connection failed", exc_info=True)
+
     async def _write(self) -> bool:
         rows = [record_row(record) for record in self._batch]
         try:
-            async with self._engine.begin() as connection:
-                await insert_rows(connection, rows)
+            await self._insert(rows)
         except Exception as exc:  # any database fault: keep the batch, retry later...
             self._metrics.record_write_failures.inc()
             if is_data_error(exc):  # ...unless the database refused the data itself
@@ -159,8 +184,7 @@ class RecordWriter:
         written = 0
         for row in rows:
             try:
-                async with self._engine.begin() as connection:
-                    await insert_rows(connection, [row])
+                await self._insert([row])
                 written += 1
             except Exception as exc:
                 if not is_data_error(exc):

@@ -1,0 +1,117 @@
+"""The record writer keeps one connection between batches, and replaces one that breaks.
+
+Against the real databases: every batch after the first goes through the connection the first
+opened (the pool hands out one connection, once), and on Postgres a connection the server
+terminates is dropped at the batch that finds it broken, whose records then go out on a new
+one: nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+from prometheus_client import CollectorRegistry
+from sqlalchemy import event, func, select
+from sqlalchemy.engine import make_url
+
+from phasewatch.core.db import create_engine
+from phasewatch.core.metrics import ProxyMetrics
+from phasewatch.core.records import Outcome, RecordQueue, RequestRecord
+from phasewatch.store.migrate import upgrade
+from phasewatch.store.models import RequestRow
+from phasewatch.store.writer import RecordWriter
+
+
+def record(n: int) -> RequestRecord:
+    return RequestRecord(request_id=f"req-{n}", started_at=datetime.now(UTC),
+                         endpoint="completions", model="m", upstream="http://u", stream=True,
+                         outcome=Outcome.OK, http_status=200, in_flight_at_arrival=0)
+
+
+class Stored:
+    """A record queue whose depth is watched: `offer` one record and wait until it is stored."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.empty = asyncio.Event()
+        self.queue = RecordQueue(100, metrics.records_dropped.inc, self._depth)
+
+    def _depth(self, depth: int) -> None:
+        if depth:
+            self.empty.clear()
+        else:
+            self.empty.set()
+
+    async def offer(self, n: int) -> None:
+        self.queue.offer(record(n))
+        await asyncio.wait_for(self.empty.wait(), 10)
+
+
+async def terminate_other_sessions(url: str) -> int:
+    """End every other session on this Postgres database, as a server restart would."""
+    u = make_url(url)
+    connection = await asyncpg.connect(host=u.host, port=u.port, user=u.username,
+                                       database=u.database)
+    try:
+        return len(await connection.fetch(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+    finally:
+        await connection.close()
+
+
+def test_batches_share_one_connection_and_a_broken_one_is_replaced(database_url: str) -> None:
+    upgrade(database_url)
+
+    async def scenario() -> None:
+        engine = create_engine(database_url)
+        checkouts: list[Any] = []
+        event.listen(engine.sync_engine.pool, "checkout", lambda *args: checkouts.append(args))
+        metrics = ProxyMetrics(CollectorRegistry(), 0.5, 0.04)
+        stored = Stored(metrics)
+        writer = RecordWriter(stored.queue, engine, metrics, batch_size=10,
+                              flush_interval_s=0.01)
+        task = asyncio.create_task(writer.run())
+        try:
+            for n in range(1, 4):  # three batches, one after another
+                await stored.offer(n)
+            assert metrics.records_written._value.get() == 3
+            assert len(checkouts) == 1
+            if engine.dialect.name == "postgresql":
+                assert await terminate_other_sessions(database_url) >= 1
+                await stored.offer(4)
+                assert metrics.records_written._value.get() == 4
+                assert metrics.record_write_failures._value.get() == 1
+                assert len(checkouts) == 2  # the broken one dropped, a new one opened
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await writer.close()
+        async with engine.connect() as connection:
+            rows = await connection.scalar(select(func.count()).select_from(RequestRow))
+        await engine.dispose()
+        assert rows == (4 if engine.dialect.name == "postgresql" else 3)
+
+    asyncio.run(scenario())
+
+
+def test_close_gives_the_connection_back_and_a_later_batch_opens_another(
+        sqlite_url: str) -> None:
+    upgrade(sqlite_url)
+
+    async def scenario() -> None:
+        engine = create_engine(sqlite_url)
+        metrics = ProxyMetrics(CollectorRegistry(), 0.5, 0.04)
+        queue = RecordQueue(100, metrics.records_dropped.inc)
+        writer = RecordWriter(queue, engine, metrics, batch_size=10, flush_interval_s=0.01)
+        for n in range(2):
+            queue.offer(record(n))
+            assert await writer.flush(timeout_s=5) == 0
+            assert engine.sync_engine.pool.checkedout() == 1  # kept between batches
+            await writer.close()
+            assert engine.sync_engine.pool.checkedout() == 0
+        await engine.dispose()
+        assert metrics.records_written._value.get() == 2
+
+    asyncio.run(scenario())
