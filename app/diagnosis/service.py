@@ -49,6 +49,9 @@ from phasewatch.store.live_snapshots import read_fresh
 
 log = logging.getLogger(__name__)
 
+# The most served models one round reads (the upstream's own models, and any LoRA adapters).
+MAX_SERVED_MODELS = 10_000
+
 
 @dataclass(frozen=True, slots=True)
 class PreviousSpan:
@@ -295,12 +298,12 @@ class DiagnosisService:
         limit = self.settings.max_model_labels
         since = now - timedelta(seconds=self.settings.diagnosis_window_s
                                 + self.settings.diagnosis_baseline_s)
+        # One read of every served model: each read of the span is a scan of its requests.
         async with self.sessionmaker() as session:
-            kept = await active_models(session, since, now, limit, among=self._exported) \
-                if self._exported else []
-            busiest = await active_models(session, since, now, limit)
-        kept.sort(key=self._exported.index)
-        return (kept + [m for m in busiest if m not in kept])[:limit]
+            served = await active_models(session, since, now, MAX_SERVED_MODELS)
+        exported = set(self._exported)
+        kept = sorted((m for m in served if m in exported), key=self._exported.index)
+        return (kept + [m for m in served if m not in exported])[:limit]
 
     async def _round(self, model: str, now: datetime) -> dict[str, Any]:
         """One model's round: the recent window if it holds enough requests, else the whole

@@ -15,7 +15,7 @@ the served process: the event loop's share 20-31 ms before, 10-13 ms after; CHAN
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -112,17 +112,14 @@ async def run_request_count(session: AsyncSession, run_id: str) -> int:
 
 async def active_models(
     session: AsyncSession, since: datetime, until: datetime, limit: int,
-    among: Collection[str] | None = None,
 ) -> list[str]:
     """Models the upstream served in [since, until), busiest first: each has at least one
     request it answered with a 2xx, so a name it rejected (404 for an unknown model) is never
-    one. `among`: only these names."""
+    one."""
     count = func.count().label("n")
     where = [RequestRow.started_at >= since, RequestRow.started_at < until,
              RequestRow.model.is_not(None),
              RequestRow.http_status >= 200, RequestRow.http_status < 300]
-    if among is not None:
-        where.append(RequestRow.model.in_(list(among)))
     result = await session.execute(
         select(RequestRow.model, count).where(*where)
         .group_by(RequestRow.model).order_by(count.desc(), RequestRow.model).limit(limit)
