@@ -16,7 +16,17 @@ Part `stats` (per backend, per `--rows`):
   through the real API at 30 random points in that range, and the first page of
   `GET /api/requests`. Medians and p95 of wall time per call, client side.
 
-Run: `.venv/bin/python benchmarks/store_scale.py [writer] [stats] [--rows 1000000 10000000]`,
+Part `diagnosis` (per backend, per `--diagnosis-rates`):
+  The diagnosis schedule's cost at steady state. Bulk-loads the requests a steady rate leaves
+  in the span one round reads (the window and the baseline before it, default 300 + 3,600 s),
+  spread evenly up to now over three models, then runs `--rounds` rounds of the schedule
+  (`DiagnosisService.evaluate_all`, as the leading process runs it every
+  `PHASEWATCH_DIAGNOSIS_INTERVAL_S`) and prints the median CPU of this process per round (its
+  event loop, the driver's thread and the statistics' thread; Postgres's own CPU is not in it),
+  that as a share of a core at the default interval and per request served at that rate (to
+  set beside `cost_split.py`'s cost per request), and the statements that took longest.
+
+Run: `.venv/bin/python benchmarks/store_scale.py [writer] [stats] [diagnosis] [--rows ...]`,
 `--quick` for a smoke run. Needs PostgreSQL on 127.0.0.1:5432 (trust auth) for the Postgres
 columns; creates and drops its own databases there. Writes JSON under benchmarks/results/.
 """
@@ -48,9 +58,10 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.proxy_overhead import free_port, percentile_ms  # noqa: E402
-from phasewatch.core.db import create_engine  # noqa: E402
+from phasewatch.core.db import create_engine, create_sessionmaker  # noqa: E402
 from phasewatch.core.records import Outcome, RequestRecord  # noqa: E402
-from phasewatch.core.settings import load_settings  # noqa: E402
+from phasewatch.core.settings import Settings, load_settings  # noqa: E402
+from phasewatch.diagnosis.service import DiagnosisService  # noqa: E402
 from phasewatch.main import create_app  # noqa: E402
 from phasewatch.store.migrate import upgrade  # noqa: E402
 from phasewatch.store.retention import retention_pass  # noqa: E402
@@ -333,6 +344,68 @@ async def stats_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]
     return results
 
 
+async def diagnosis_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    defaults = Settings()
+    span_s = defaults.diagnosis_window_s + defaults.diagnosis_baseline_s
+    interval_s = defaults.diagnosis_interval_s
+    results = []
+    for backend in args.backends:
+        for rate in args.diagnosis_rates:
+            url = await new_database(backend, tmp)
+            try:
+                await asyncio.to_thread(upgrade, url)
+                end = datetime.now(UTC)
+                total = int(rate * span_s)
+                await load_rows(url, total, end, span_s / 86400)
+                engine = create_engine(url)
+                statements: dict[str, list[float]] = {}
+                watch_statements(engine, statements)
+                service = DiagnosisService(create_sessionmaker(engine),
+                                           load_settings(database_url=url))
+                cpu_ms, wall_ms = [], []
+                for _ in range(args.rounds):
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    verdicts = await service.evaluate_all()
+                    cpu_ms.append((time.process_time() - cpu) * 1000)
+                    wall_ms.append((time.perf_counter() - wall) * 1000)
+                await engine.dispose()
+            finally:
+                await drop_database(url)
+            per_round = statistics.median(cpu_ms)
+            row = {"backend": backend, "rate": rate, "rows_in_span": total,
+                   "models": len(verdicts), "rounds": args.rounds,
+                   "cpu_ms_per_round": per_round, "wall_ms_per_round": statistics.median(wall_ms),
+                   "core_share": per_round / 1000 / interval_s,
+                   "cpu_us_per_request": per_round * 1000 / (rate * interval_s),
+                   "statements": {sql: {"calls": len(t), "ms_per_round": sum(t) / args.rounds}
+                                  for sql, t in statements.items()}}
+            results.append(row)
+            print(f"\n[diagnosis] {backend}, {rate:g} requests/s ({total:,} rows in the "
+                  f"{span_s:.0f} s a round reads, {row['models']} models): CPU per round "
+                  f"median {per_round:.0f} ms (wall {row['wall_ms_per_round']:.0f} ms) = "
+                  f"{100 * row['core_share']:.1f}% of a core every {interval_s:g} s = "
+                  f"{row['cpu_us_per_request']:.0f} us per request served")
+            slowest = sorted(row["statements"].items(), key=lambda kv: -kv[1]["ms_per_round"])
+            for sql, t in slowest[:4]:
+                print(f"  {t['ms_per_round']:7.1f} ms/round  {t['calls'] // args.rounds}x  "
+                      f"{sql[:110]}")
+    return results
+
+
+def watch_statements(engine: Any, into: dict[str, list[float]]) -> None:
+    """Time each statement's execution (not its rows' fetching), by its text."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine.sync_engine, "before_cursor_execute")
+    def before(conn: Any, *_: Any) -> None:
+        conn.info["pw_started"] = time.perf_counter()
+
+    @event.listens_for(engine.sync_engine, "after_cursor_execute")
+    def after(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        key = " ".join(statement.split())
+        into.setdefault(key, []).append((time.perf_counter() - conn.info["pw_started"]) * 1000)
+
+
 async def time_api(base: str, end: datetime, days: float, calls: int) -> dict[str, Any]:
     rng = random.Random(7)
     out: dict[str, Any] = {}
@@ -358,7 +431,7 @@ async def time_api(base: str, end: datetime, days: float, calls: int) -> dict[st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("parts", nargs="*", help="writer, stats (default: both)")
+    parser.add_argument("parts", nargs="*", help="writer, stats, diagnosis (default: all)")
     parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgres"],
                         default=["sqlite", "postgres"])
     parser.add_argument("--rate", type=float, help="records/s to offer (default: the target)")
@@ -366,14 +439,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=32, help="relay concurrency meanwhile")
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--diagnosis-rates", type=float, nargs="+", default=[10, 50, 200],
+                        help="steady requests/s whose stored span the diagnosis reads")
+    parser.add_argument("--rounds", type=int, default=5, help="diagnosis rounds timed")
     parser.add_argument("--quick", action="store_true", help="smoke run: small and short")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "store_scale.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.rows, args.calls, args.streams = 3.0, [50_000], 5, 8
-    parts = args.parts or ["writer", "stats"]
-    if set(parts) - {"writer", "stats"}:
-        parser.error("parts are: writer, stats")
+        args.diagnosis_rates, args.rounds = [5], 2
+    parts = args.parts or ["writer", "stats", "diagnosis"]
+    if set(parts) - {"writer", "stats", "diagnosis"}:
+        parser.error("parts are: writer, stats, diagnosis")
     print("Upstream, proxy, writer, database and load generator share this machine's cores.")
 
     async def run() -> dict[str, Any]:
@@ -384,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
                 out["writer"] = await writer_part(args, tmp)
             if "stats" in parts:
                 out["stats"] = await stats_part(args, tmp)
+            if "diagnosis" in parts:
+                out["diagnosis"] = await diagnosis_part(args, tmp)
             return out
 
     import uvloop

@@ -53,6 +53,12 @@ def test_store_scale_quick(tmp_path: Path) -> None:
     assert isinstance(writer, list) and {row["backend"] for row in writer} == {"sqlite", "postgres"}
     assert all(row["dropped"] == 0 for row in writer)
     assert isinstance(stats, list) and all(row["rows"] == 50_000 for row in stats)
+    diagnosis = result["diagnosis"]
+    assert isinstance(diagnosis, list) and {row["backend"] for row in diagnosis} == {"sqlite",
+                                                                                   "postgres"}
+    # Three models in the span, each judged, and the round's statements timed.
+    assert all(row["models"] == 3 and row["cpu_ms_per_round"] > 0 and row["statements"]
+               for row in diagnosis)
 
 
 def test_ttft_truth_quick(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Float, func, select
+from sqlalchemy import ColumnElement, Float, func, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -125,6 +125,24 @@ async def active_models(
         .group_by(RequestRow.model).order_by(count.desc(), RequestRow.model).limit(limit)
     )
     return [model for model, _ in result if model]
+
+
+async def still_served(
+    session: AsyncSession, models: Sequence[str], since: datetime, until: datetime,
+) -> list[str]:
+    """Those of `models` the upstream served in [since, until) (a 2xx, as `active_models`
+    counts), in their order: one look each down the model's index to its first such request,
+    not a scan of the span."""
+    served = []
+    for model in models:
+        found = await session.scalar(
+            select(literal(1)).where(
+                RequestRow.model == model, RequestRow.started_at >= since,
+                RequestRow.started_at < until,
+                RequestRow.http_status >= 200, RequestRow.http_status < 300).limit(1))
+        if found is not None:
+            served.append(model)
+    return served
 
 
 async def add_diagnosis(
