@@ -33,6 +33,11 @@ What it reports, per concurrency (medians over repeats; the machine is small and
 Upstream, proxy and load generator all share the machine's cores: the figures are for this
 machine under that contention, not for a proxy with cores to itself.
 
+Each phasewatch starts on an empty database, as a fresh install does, so the diagnosis
+schedule's reads are as cheap as they ever are. `--stored-rate R` stores first what an hour at
+R requests/s leaves in the span a round reads (`store_history`): the CPU per chunk of a
+phasewatch that has been serving that rate, its periodic duties at their steady cost.
+
 Run: `.venv/bin/python benchmarks/proxy_overhead.py [--concurrency 64 256] [--repeats 3]`;
 `--quick` is a smoke run of well under a minute. It installs nothing and writes only its JSON
 result (`--json`, by default under benchmarks/results/, which git ignores) and temp files.
@@ -266,12 +271,14 @@ def start_upstream(args: argparse.Namespace, tmp: Path) -> Server:
 
 
 def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1, name: str | None = None,
-                     extra_env: dict[str, str] | None = None) -> Server:
+                     extra_env: dict[str, str] | None = None, stored_rate: float = 0) -> Server:
     port = free_port()
     name = name or ("phasewatch" if workers == 1 else f"phasewatch-w{workers}")
+    database_url = f"sqlite+aiosqlite:///{tmp / (name + '.db')}"
+    if stored_rate > 0:
+        store_history(database_url, stored_rate)
     env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
-           "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / (name + '.db')}",
-           **(extra_env or {})}
+           "PHASEWATCH_DATABASE_URL": database_url, **(extra_env or {})}
     server = spawn(name, [
         sys.executable, "-m", "phasewatch.cli", "serve", "--upstream", upstream.url,
         "--port", str(port),
@@ -279,6 +286,50 @@ def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1, name: str | 
     ], tmp, port, env)
     wait_ready(server, "/api/health")
     return server
+
+
+def store_history(database_url: str, rate: float) -> int:
+    """Fill a new database with what `rate` requests a second of the benchmark's model leave
+    in the span a diagnosis round reads (window + baseline, by default 3,900 s up to now),
+    through the record writer's own insert: the schedule then reads what it would read after
+    an hour at that rate, not the empty tables of a fresh install. Returns the rows stored."""
+    import asyncio
+    from datetime import UTC, datetime, timedelta
+
+    from phasewatch.core.db import create_engine
+    from phasewatch.core.records import Outcome, RequestRecord
+    from phasewatch.core.settings import Settings
+    from phasewatch.store.migrate import upgrade
+    from phasewatch.store.writer import insert_rows, record_row
+
+    defaults = Settings()
+    span_s = defaults.diagnosis_window_s + defaults.diagnosis_baseline_s
+    total = int(rate * span_s)
+    end = datetime.now(UTC)
+    upgrade(database_url)
+
+    def record(i: int) -> RequestRecord:
+        ttft, itl = 0.002 + 0.001 * (i % 7), 0.02 + 0.0001 * (i % 11)
+        return RequestRecord(
+            request_id=f"history-{i}", started_at=end - timedelta(seconds=span_s * (1 - i / total)),
+            endpoint="completions", model="bench", upstream="http://upstream", stream=True,
+            outcome=Outcome.OK, http_status=200, in_flight_at_arrival=i % 64, ttft_s=ttft,
+            e2e_s=ttft + 63 * itl, tpot_s=itl, itl_count=63, itl_mean_s=itl, itl_p50_s=itl,
+            itl_p95_s=itl * 1.1, itl_max_s=itl * 1.5, prompt_tokens=16, output_tokens=64,
+            tokens_exact=True)
+
+    async def load() -> None:
+        engine = create_engine(database_url)
+        try:
+            for start in range(0, total, 20_000):
+                rows = [record_row(record(i)) for i in range(start, min(total, start + 20_000))]
+                async with engine.begin() as connection:
+                    await insert_rows(connection, rows)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(load())
+    return total
 
 
 def source_env(source: Path, tmp: Path) -> dict[str, str]:
@@ -776,6 +827,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "rates (chunks/s) and report the highest each path relays with chunk "
                         f"lag p99 under {CAPACITY_LAG_P99_MS:g} ms")
     p.add_argument("--capacity-concurrency", type=int, default=256)
+    p.add_argument("--stored-rate", type=float, default=0,
+                   help="requests/s of history stored in each phasewatch's database before it "
+                        "starts: the window + baseline a diagnosis round reads, as an hour at "
+                        "that rate leaves them (default 0: empty, a fresh install). The "
+                        "benchmark's own rate is 50/s at every shape")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, default=None,
                    help="where to write results (default benchmarks/results/...json)")
@@ -809,13 +865,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             upstream = start_upstream(args, tmp)
             servers.append(upstream)
-            proxies = {"phasewatch": start_phasewatch(upstream, tmp)}
+            history = args.stored_rate
+            proxies = {"phasewatch": start_phasewatch(upstream, tmp, stored_rate=history)}
             servers.append(proxies["phasewatch"])
             if args.baseline_source is not None:
                 # The same phasewatch from another checkout, run beside this one.
                 proxies["pw@base"] = start_phasewatch(
                     upstream, tmp, name="pw@base",
-                    extra_env=source_env(args.baseline_source, tmp))
+                    extra_env=source_env(args.baseline_source, tmp), stored_rate=history)
                 servers.append(proxies["pw@base"])
                 paths.insert(paths.index("phasewatch"), "pw@base")
             if args.otel:
@@ -823,16 +880,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sink = OtlpSink()
                 proxies["pw+otel"] = start_phasewatch(upstream, tmp, name="pw+otel", extra_env={
                     "PHASEWATCH_OTEL_ENABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
-                    "OTEL_METRIC_EXPORT_INTERVAL": "10000"})
+                    "OTEL_METRIC_EXPORT_INTERVAL": "10000"}, stored_rate=history)
                 servers.append(proxies["pw+otel"])
                 paths.insert(paths.index("phasewatch") + 1, "pw+otel")
             for name, env in parse_variants(args.variant):
-                proxies[name] = start_phasewatch(upstream, tmp, name=name, extra_env=env)
+                proxies[name] = start_phasewatch(upstream, tmp, name=name, extra_env=env,
+                                                 stored_rate=history)
                 servers.append(proxies[name])
                 paths.insert(paths.index("phasewatch") + 1, name)
             for workers in args.workers:
                 if workers > 1:
-                    server = start_phasewatch(upstream, tmp, workers)
+                    server = start_phasewatch(upstream, tmp, workers, stored_rate=history)
                     proxies[server.name] = server
                     servers.append(server)
                     paths.insert(paths.index("phasewatch") + 1, server.name)
@@ -968,6 +1026,9 @@ def print_header(args: argparse.Namespace, shapes: dict[int, Shape], nginx_note:
               "did not ask for)")
     print(f"  open-loop Poisson arrivals, {args.repeats} repeat(s), medians over repeats; "
           f"{args.loadgen_procs} load generator process(es)")
+    if args.stored_rate > 0:
+        print(f"  each phasewatch's database holds the history of {args.stored_rate:g} "
+              "requests/s over the span a diagnosis round reads (--stored-rate)")
     print(f"  {nginx_note or 'nginx: see below'}")
     print(f"  NOTE: upstream, proxy and load generator all share this machine's "
           f"{os.cpu_count()} CPU cores; load average now {os.getloadavg()[0]:.2f}")

@@ -23,7 +23,7 @@ def run(script: str, tmp_path: Path, *args: str) -> dict[str, object]:
 
 def test_proxy_overhead_quick(tmp_path: Path) -> None:
     result = run("proxy_overhead.py", tmp_path, "--variant",
-                 "nodiag:PHASEWATCH_DIAGNOSIS_INTERVAL_S=0")
+                 "nodiag:PHASEWATCH_DIAGNOSIS_INTERVAL_S=0", "--stored-rate", "1")
     text = json.dumps(result)
     assert "phasewatch" in text and "direct" in text and "pw:nodiag" in text
 
