@@ -50,9 +50,6 @@ from phasewatch.store.live_snapshots import read_fresh
 
 log = logging.getLogger(__name__)
 
-# The most served models one round reads (the upstream's own models, and any LoRA adapters).
-MAX_SERVED_MODELS = 10_000
-
 
 @dataclass(frozen=True, slots=True)
 class PreviousSpan:
@@ -308,9 +305,10 @@ class DiagnosisService:
         since = now - window - timedelta(seconds=self.settings.diagnosis_baseline_s)
         async with self.sessionmaker() as session:
             if not self._exported:
-                return (await active_models(session, since, now, MAX_SERVED_MODELS))[:limit]
+                return await active_models(session, since, now, limit)
             kept = await still_served(session, self._exported, since, now)
-            recent = await active_models(session, now - window, now, MAX_SERVED_MODELS)
+            # Enough to fill the places left whichever of them are among the kept.
+            recent = await active_models(session, now - window, now, limit + len(kept))
         held = set(kept)
         return (kept + [m for m in recent if m not in held])[:limit]
 

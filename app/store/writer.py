@@ -7,7 +7,9 @@ path: Postgres's binary COPY, SQLite's executemany, both fed plain tuples (measu
 benchmarks/store_scale.py: about a fifth of the CPU per record of an ORM-level insert). It keeps
 one connection between batches instead of taking one from the pool for each: a checkout, its
 reset on return and (Postgres) its ping cost more than a small batch's insert. A connection
-that fails is dropped, and the next try opens a new one.
+that fails is dropped, and the next try opens a new one; one left idle for `KEEP_IDLE_S` is
+given back before the next batch, which takes a pinged one from the pool, so a server or a
+pooler that closes idle sessions costs no failed batch.
 
 If the database is slow or down, the batch is retried with backoff while the queue
 fills up to its bound, beyond which the queue drops and counts records; writing resumes by itself
@@ -34,6 +36,7 @@ from phasewatch.store.models import RequestRow
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 5.0
+KEEP_IDLE_S = 30.0  # the kept connection is given back after this long without a batch
 
 
 COLUMNS = tuple(field.name for field in fields(RequestRecord))
@@ -104,6 +107,7 @@ class RecordWriter:
         self._batch: list[RequestRecord] = []  # taken off the queue, not yet stored
         self._failing_since: float | None = None
         self._connection: AsyncConnection | None = None  # kept between batches
+        self._used_at = 0.0  # time.monotonic() of the kept connection's last batch
 
     def failing_for_s(self) -> float:
         """How long storing has been failing (0 while it works)."""
@@ -137,6 +141,9 @@ class RecordWriter:
     async def _insert(self, rows: list[list[Any]]) -> None:
         """Insert rows in one transaction on the kept connection (opened if there is none);
         any fault drops that connection."""
+        now = time.monotonic()
+        if self._connection is not None and now - self._used_at > KEEP_IDLE_S:
+            await self.close()
         connection = self._connection
         try:
             if connection is None:
@@ -146,6 +153,7 @@ class RecordWriter:
         except Exception:
             await self.close()
             raise
+        self._used_at = now
 
     async def close(self) -> None:
         """Give back the kept connection (the writer opens another if it writes again)."""

@@ -3,7 +3,8 @@
 Against the real databases: every batch after the first goes through the connection the first
 opened (the pool hands out one connection, once), and on Postgres a connection the server
 terminates is dropped at the batch that finds it broken, whose records then go out on a new
-one: nothing is lost."""
+one: nothing is lost. A connection left idle is given back before the next batch, which takes
+a pinged one from the pool: a session the server closed while idle fails no batch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from sqlalchemy.engine import make_url
 from phasewatch.core.db import create_engine
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.records import Outcome, RecordQueue, RequestRecord
+from phasewatch.store import writer as writer_module
 from phasewatch.store.migrate import upgrade
 from phasewatch.store.models import RequestRow
 from phasewatch.store.writer import RecordWriter
@@ -113,5 +115,37 @@ def test_close_gives_the_connection_back_and_a_later_batch_opens_another(
             assert engine.sync_engine.pool.checkedout() == 0
         await engine.dispose()
         assert metrics.records_written._value.get() == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_left_idle_is_given_back_so_a_closed_one_fails_no_batch(
+        database_url: str, monkeypatch: Any) -> None:
+    upgrade(database_url)
+    monkeypatch.setattr(writer_module, "KEEP_IDLE_S", 0.0)  # any gap between batches is idle
+
+    async def scenario() -> None:
+        engine = create_engine(database_url)
+        checkouts: list[Any] = []
+        event.listen(engine.sync_engine.pool, "checkout", lambda *args: checkouts.append(args))
+        metrics = ProxyMetrics(CollectorRegistry(), 0.5, 0.04)
+        stored = Stored(metrics)
+        writer = RecordWriter(stored.queue, engine, metrics, batch_size=10,
+                              flush_interval_s=0.01)
+        task = asyncio.create_task(writer.run())
+        try:
+            await stored.offer(1)
+            if engine.dialect.name == "postgresql":  # the server closes the idle session
+                assert await terminate_other_sessions(database_url) >= 1
+            await stored.offer(2)
+            await stored.offer(3)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await writer.close()
+            await engine.dispose()
+        assert len(checkouts) == 3  # one per batch: each found the last one idle
+        assert metrics.records_written._value.get() == 3
+        assert metrics.record_write_failures._value.get() == 0
 
     asyncio.run(scenario())
