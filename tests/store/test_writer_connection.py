@@ -9,6 +9,8 @@ a pinged one from the pool: a session the server closed while idle fails no batc
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +18,7 @@ import asyncpg
 from prometheus_client import CollectorRegistry
 from sqlalchemy import event, func, select
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from phasewatch.core.db import create_engine
 from phasewatch.core.metrics import ProxyMetrics
@@ -63,33 +66,49 @@ async def terminate_other_sessions(url: str) -> int:
         await connection.close()
 
 
+class Running:
+    """A record writer running on `engine`, with the pool's checkouts counted."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.checkouts: list[Any] = []
+        event.listen(engine.sync_engine.pool, "checkout",
+                     lambda *args: self.checkouts.append(args))
+        self.metrics = ProxyMetrics(CollectorRegistry(), 0.5, 0.04)
+        self.stored = Stored(self.metrics)
+        self.writer = RecordWriter(self.stored.queue, engine, self.metrics, batch_size=10,
+                                   flush_interval_s=0.01)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.writer.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self.writer.close()
+
+    def count(self, metric: Any) -> float:
+        return float(metric._value.get())
+
+
 def test_batches_share_one_connection_and_a_broken_one_is_replaced(database_url: str) -> None:
     upgrade(database_url)
 
     async def scenario() -> None:
         engine = create_engine(database_url)
-        checkouts: list[Any] = []
-        event.listen(engine.sync_engine.pool, "checkout", lambda *args: checkouts.append(args))
-        metrics = ProxyMetrics(CollectorRegistry(), 0.5, 0.04)
-        stored = Stored(metrics)
-        writer = RecordWriter(stored.queue, engine, metrics, batch_size=10,
-                              flush_interval_s=0.01)
-        task = asyncio.create_task(writer.run())
-        try:
+        w = Running(engine)
+        async with w.running():
             for n in range(1, 4):  # three batches, one after another
-                await stored.offer(n)
-            assert metrics.records_written._value.get() == 3
-            assert len(checkouts) == 1
+                await w.stored.offer(n)
+            assert w.count(w.metrics.records_written) == 3
+            assert len(w.checkouts) == 1
             if engine.dialect.name == "postgresql":
                 assert await terminate_other_sessions(database_url) >= 1
-                await stored.offer(4)
-                assert metrics.records_written._value.get() == 4
-                assert metrics.record_write_failures._value.get() == 1
-                assert len(checkouts) == 2  # the broken one dropped, a new one opened
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await writer.close()
+                await w.stored.offer(4)
+                assert w.count(w.metrics.records_written) == 4
+                assert w.count(w.metrics.record_write_failures) == 1
+                assert len(w.checkouts) == 2  # the broken one dropped, a new one opened
         async with engine.connect() as connection:
             rows = await connection.scalar(select(func.count()).select_from(RequestRow))
         await engine.dispose()
@@ -126,26 +145,18 @@ def test_a_connection_left_idle_is_given_back_so_a_closed_one_fails_no_batch(
 
     async def scenario() -> None:
         engine = create_engine(database_url)
-        checkouts: list[Any] = []
-        event.listen(engine.sync_engine.pool, "checkout", lambda *args: checkouts.append(args))
-        metrics = ProxyMetrics(CollectorRegistry(), 0.5, 0.04)
-        stored = Stored(metrics)
-        writer = RecordWriter(stored.queue, engine, metrics, batch_size=10,
-                              flush_interval_s=0.01)
-        task = asyncio.create_task(writer.run())
+        w = Running(engine)
         try:
-            await stored.offer(1)
-            if engine.dialect.name == "postgresql":  # the server closes the idle session
-                assert await terminate_other_sessions(database_url) >= 1
-            await stored.offer(2)
-            await stored.offer(3)
+            async with w.running():
+                await w.stored.offer(1)
+                if engine.dialect.name == "postgresql":  # the server closes the idle session
+                    assert await terminate_other_sessions(database_url) >= 1
+                await w.stored.offer(2)
+                await w.stored.offer(3)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await writer.close()
             await engine.dispose()
-        assert len(checkouts) == 3  # one per batch: each found the last one idle
-        assert metrics.records_written._value.get() == 3
-        assert metrics.record_write_failures._value.get() == 0
+        assert len(w.checkouts) == 3  # one per batch: each found the last one idle
+        assert w.count(w.metrics.records_written) == 3
+        assert w.count(w.metrics.record_write_failures) == 0
 
     asyncio.run(scenario())
