@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,17 @@ async def new_database(backend: str, tmp: Path) -> str:
     name = f"pw_bench_{uuid.uuid4().hex[:8]}"
     await _admin(f'CREATE DATABASE "{name}"')
     return f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+
+
+@asynccontextmanager
+async def migrated_database(backend: str, tmp: Path) -> AsyncIterator[str]:
+    """A new database of `backend` at the schema's head, dropped when the block ends."""
+    url = await new_database(backend, tmp)
+    try:
+        await asyncio.to_thread(upgrade, url)
+        yield url
+    finally:
+        await drop_database(url)
 
 
 async def drop_database(url: str) -> None:
@@ -195,9 +208,7 @@ async def writer_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any
         load_rate = args.streams / stream_s  # open-loop arrivals holding ~N streams
         for backend in args.backends:
             rate = args.rate or (5000.0 if backend == "postgres" else 2000.0)
-            url = await new_database(backend, tmp)
-            try:
-                await asyncio.to_thread(upgrade, url)
+            async with migrated_database(backend, tmp) as url:
                 async with InProcessProxy(f"http://127.0.0.1:{port}", url,
                                           queue_size=max(10_000, int(rate * 4))) as proxy:
                     quiet = await loadgen(proxy.url, load_rate, args.seconds, tmp, 1)
@@ -217,8 +228,6 @@ async def writer_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any
                 }
                 results.append(row)
                 print_writer_row(row)
-            finally:
-                await drop_database(url)
     finally:
         upstream.terminate()
         await upstream.wait()
@@ -314,9 +323,7 @@ async def stats_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]
     results = []
     for backend in args.backends:
         for total in args.rows:
-            url = await new_database(backend, tmp)
-            try:
-                await asyncio.to_thread(upgrade, url)
+            async with migrated_database(backend, tmp) as url:
                 end = datetime.now(UTC).replace(microsecond=0)
                 days = 30.0
                 load_s = await load_rows(url, total, end, days)
@@ -339,8 +346,6 @@ async def stats_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]
                     t = timings[name]
                     print(f"  {name:<20} median {t['median_ms']:7.1f} ms   "
                           f"p95 {t['p95_ms']:7.1f} ms   ({t['calls']} calls)")
-            finally:
-                await drop_database(url)
     return results
 
 
@@ -351,9 +356,7 @@ async def diagnosis_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, 
     results = []
     for backend in args.backends:
         for rate in args.diagnosis_rates:
-            url = await new_database(backend, tmp)
-            try:
-                await asyncio.to_thread(upgrade, url)
+            async with migrated_database(backend, tmp) as url:
                 end = datetime.now(UTC)
                 total = int(rate * span_s)
                 await load_rows(url, total, end, span_s / 86400)
@@ -369,8 +372,6 @@ async def diagnosis_part(args: argparse.Namespace, tmp: Path) -> list[dict[str, 
                     cpu_ms.append((time.process_time() - cpu) * 1000)
                     wall_ms.append((time.perf_counter() - wall) * 1000)
                 await engine.dispose()
-            finally:
-                await drop_database(url)
             per_round = statistics.median(cpu_ms)
             row = {"backend": backend, "rate": rate, "rows_in_span": total,
                    "models": len(verdicts), "rounds": args.rounds,
