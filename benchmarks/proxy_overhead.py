@@ -510,6 +510,15 @@ def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
         out["machine"] = out["irq"] = None
 
 
+# Seconds of arrivals a run has at least, by default. With 10 s, a run at 256 streams
+# measured about 250 requests after its fill-up: TTFT p99 then rested on its two or three
+# slowest, and moved by several ms between repeats for every path. And the fill-up's new
+# connections (a client connection and an upstream one per stream, set up in Python by
+# phasewatch and in C by nginx) came once per two requests, which a long-lived deployment
+# never sees. 60 s measures about 2,500 requests per run at 50 requests/s.
+MIN_DURATION_S = 60.0
+
+
 @dataclass(frozen=True)
 class Shape:
     """One load shape: `concurrency` streams held open, each `chunks` chunks `interval_ms`
@@ -528,8 +537,10 @@ class Shape:
 def make_shape(args: argparse.Namespace, concurrency: int) -> Shape:
     interval = (concurrency / args.chunk_rate * 1000 if args.chunk_rate else args.interval_ms)
     stream_s = args.first_delay_ms / 1000 + args.chunks * interval / 1000
-    # Long streams need a run long enough to fill up to the steady state and hold it.
-    duration = args.duration if args.duration is not None else max(10.0, 2 * stream_s)
+    # Long streams need a run long enough to fill up to the steady state and hold it, and every
+    # shape enough measured requests for its p99 (`MIN_DURATION_S`).
+    duration = (args.duration if args.duration is not None
+                else max(MIN_DURATION_S, 2 * stream_s))
     warmup = args.warmup if args.warmup is not None else min(max(2.0, stream_s), duration / 2)
     return Shape(concurrency, interval, stream_s, concurrency / stream_s, duration, warmup)
 
@@ -791,8 +802,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "0 uses --interval-ms for every shape")
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (default 3)")
     p.add_argument("--duration", type=float, default=None,
-                   help="seconds of arrivals per run (default: 10, or twice a stream's life "
-                        "if longer)")
+                   help=f"seconds of arrivals per run (default: {MIN_DURATION_S:g}, or twice a "
+                        "stream's life if longer)")
     p.add_argument("--warmup", type=float, default=None,
                    help="arrivals in the first seconds of a run are not measured (default: "
                         "a stream's life, at least 2 s: the fill-up to steady state)")
