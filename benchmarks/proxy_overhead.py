@@ -512,10 +512,11 @@ def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
 
 # Seconds of arrivals a run has at least, by default. With 10 s, a run at 256 streams
 # measured about 250 requests after its fill-up: TTFT p99 then rested on its two or three
-# slowest, and moved by several ms between repeats for every path. And the fill-up's new
-# connections (a client connection and an upstream one per stream, set up in Python by
-# phasewatch and in C by nginx) came once per two requests, which a long-lived deployment
-# never sees. 60 s measures about 2,500 requests per run at 50 requests/s.
+# slowest, and moved by several ms between repeats for every path. 60 s measures about 2,500
+# per run at 50 requests/s, and is nearer a deployment's steady state both ways: the fill-up's
+# new connections (a client and an upstream connection per stream) come once per 12 requests
+# at 256 streams instead of once per 2, and the diagnosis's window holds a minute of records
+# instead of a few seconds' (docs/benchmarks.md, 2026-12-05).
 MIN_DURATION_S = 60.0
 
 
@@ -665,6 +666,14 @@ def summarize(runs: list[Run], concurrency: int, paths: Sequence[str]) -> dict[s
         entry["scheduled"] = sum(r.scheduled for r in mine)
         entry["errors"] = sum(sum(r.errors.values()) for r in mine)
         entry["measured_per_run"] = median([float(r.measured) for r in mine])
+        if path not in ("direct", "nginx"):
+            # nginx's own CPU per chunk moves by a third between repeats on a shared VM: each
+            # repeat's ratio shows how far the median's can be trusted.
+            entry["cpu_vs_nginx_per_repeat"] = [
+                a.proxy_cpu_us_per_chunk / b.proxy_cpu_us_per_chunk
+                for i in repeats
+                if (a := by.get((path, i))) is not None and (b := by.get(("nginx", i))) is not None
+                and a.proxy_cpu_us_per_chunk and b.proxy_cpu_us_per_chunk]
         if path != "direct":
             for m in METRICS:
                 diffs: list[float | None] = []
@@ -732,7 +741,8 @@ def print_level(shape: Shape, summary: dict[str, Any], paths: Sequence[str],
               f"{fmt(ng['added_lag_p99_ms'], ' ms', True)})")
         print(f"CPU/chunk: phasewatch {fmt(pw['proxy_cpu_us_per_chunk'], ' us', digits=1)} vs "
               f"nginx {fmt(ng['proxy_cpu_us_per_chunk'], ' us', digits=1)} "
-              f"({ratio(pw['proxy_cpu_us_per_chunk'], ng['proxy_cpu_us_per_chunk'])}); "
+              f"({ratio(pw['proxy_cpu_us_per_chunk'], ng['proxy_cpu_us_per_chunk'])}; per "
+              f"repeat {', '.join(f'{r:.2f}' for r in pw.get('cpu_vs_nginx_per_repeat', []))}); "
               f"upstream itself {fmt(d['upstream_cpu_us_per_chunk'], ' us', digits=1)}")
         split = pw.get("proxy_threads_us_per_chunk")
         if split:
