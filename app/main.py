@@ -179,6 +179,7 @@ def create_app(
             otel=otel,
             native=native_relay(settings.native_relay),
         )
+        live.native = app.state.proxy.native
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
             asyncio.create_task(writer.run(), name="record-writer"),

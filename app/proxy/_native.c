@@ -109,6 +109,8 @@ struct Stream {
     int64_t *log; Py_ssize_t log_len, log_cap;   /* (time, completion, prompt) triples */
     int64_t last_read_ns, blocked_since_ns, leftover_ns;
     int64_t done_ns;          /* the time of the read that brought `[DONE]` (0: not yet) */
+    int64_t polled_ns;        /* the last `poll` (0: none) */
+    int unpolled_first;       /* started at its head, and no poll has taken its first token */
     /* A stream started at its head (`start(..., head=...)`). */
     int head_state;           /* HEAD_*: HEAD_WAIT until the upstream's head is taken */
     int pending;              /* no token yet: only a first token or the role chunk is taken */
@@ -820,7 +822,10 @@ static PyObject *Stream_poll(Stream *s, PyObject *Py_UNUSED(ignored)) {
     int64_t last, blocked;
     pthread_mutex_lock(&r->lock);  /* the thread holds it briefly and never needs the GIL */
     events = PyBytes_FromStringAndSize((const char *)s->log, s->log_len * 8);
+    for (Py_ssize_t i = 1; s->unpolled_first && i < s->log_len; i += 3)
+        if (s->log[i] > 0) s->unpolled_first = 0;  /* a running completion count past 0 */
     s->log_len = 0;
+    s->polled_ns = now_ns();
     last = s->last_read_ns;
     blocked = s->blocked_since_ns;
     pthread_mutex_unlock(&r->lock);
@@ -1006,6 +1011,7 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
     if (head != Py_None) {
         s->head_state = HEAD_WAIT;
         s->pending = 1;
+        s->unpolled_first = 1;
         s->head_pre = malloc((size_t)pre_len + 1);
         s->head_rid = malloc((size_t)rid_len + 1);
         s->head_post = malloc((size_t)post_len + 1);
@@ -1071,6 +1077,30 @@ static PyObject *Relay_finished(Relay *r, PyObject *Py_UNUSED(ignored)) {
     return list;
 }
 
+static PyObject *Relay_due(Relay *r, PyObject *args) {
+    /* due(replay_before, idle_before, stall_before) -> the owners of the streams held now that
+     * the live registry's pass must look at (live.py): not polled since `replay_before`,
+     * started at the head with no poll yet that took its first token, silent since
+     * `idle_before` (or with no read yet), or with the client not reading since
+     * `stall_before`. One walk under the lock, so that a pass costs no Python for the streams
+     * that need nothing; their owners decide on exact clocks. */
+    long long replay_before, idle_before, stall_before;
+    if (!PyArg_ParseTuple(args, "LLL", &replay_before, &idle_before, &stall_before))
+        return NULL;
+    PyObject *list = PyList_New(0);
+    if (list == NULL) return NULL;
+    pthread_mutex_lock(&r->lock);
+    for (Stream *s = r->active; s != NULL; s = s->next) {
+        if (s->owner == NULL || s->owner == Py_None) continue;
+        if (s->polled_ns <= replay_before || s->unpolled_first || s->last_read_ns < idle_before
+                || (s->blocked_since_ns && s->blocked_since_ns < stall_before)) {
+            if (PyList_Append(list, s->owner) < 0) { Py_CLEAR(list); break; }
+        }
+    }
+    pthread_mutex_unlock(&r->lock);
+    return list;
+}
+
 static PyObject *Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromLong(r->notify_fd);
 }
@@ -1084,6 +1114,7 @@ static PyObject *Relay_close(Relay *r, PyObject *Py_UNUSED(ignored)) {
 static PyMethodDef Relay_methods[] = {
     {"start", (PyCFunction)Relay_start, METH_VARARGS, NULL},
     {"finished", (PyCFunction)Relay_finished, METH_NOARGS, NULL},
+    {"due", (PyCFunction)Relay_due, METH_VARARGS, NULL},
     {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS, NULL},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},
     {NULL},

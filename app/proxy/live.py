@@ -19,11 +19,17 @@ client stall / 4)`), one pass over them:
 `snapshot()` gives the open streams as `InFlight` values for the diagnosis.
 
 Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
-held by the native leg catches up at the start of each pass (`refresh`, native.py): its clocks
-on every pass, its timing (the replay of what the thread relayed: the ITL observations) once
-`REPLAY_S` have gone by since its last, and all of them before a snapshot and before each
-render of `/metrics` (`refresh(full=True)`). A replay costs several times the clocks, and a
-thousand open streams would otherwise replay every second whatever reads them.
+held by the native leg (`hold` to `release`) catches up at the start of a pass (`refresh`,
+native.py): its timing (the replay of what the thread relayed: the ITL observations) once
+`REPLAY_S` have gone by since its last, and on every pass until its first token; its clocks
+when the thread says they may be past a timeout. The thread names those streams in one call
+(`NativeRelay.due`), so a pass costs no Python for a held stream that needs nothing, and the
+timeouts read the clocks of the held streams it named alone: the others' clocks, as Python
+last read them, are stale but within both timeouts. Under several workers, where every pass
+sets the gauges, every held stream's clocks are read on every pass. Before a snapshot and
+before each render of `/metrics`, every held stream is replayed (`refresh(full=True)`).
+A replay costs several times the clocks, and a thousand open streams would otherwise replay
+every second whatever reads them.
 
 The per-stream work of a pass and of a snapshot (a replay, a stream's figures) is done
 `SLICE` streams at a time, yielding to the event loop between slices: with a thousand open
@@ -38,11 +44,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from phasewatch.core.live import InFlight, LiveCounts
+
+if TYPE_CHECKING:
+    from phasewatch.proxy.native import NativeRelay
 
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
@@ -153,7 +162,10 @@ class LiveStreams:
         self._gauges = gauges
         # Several workers: every pass sets the gauges (another worker's scrape reads them).
         self.gauges_each_pass = gauges_each_pass
+        # The process's native relay (set with it): names the held streams a pass must see.
+        self.native: NativeRelay | None = None
         self._open: set[Watched] = set()
+        self._held: set[Watched] = set()  # those the native leg holds (`hold`)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -163,18 +175,36 @@ class LiveStreams:
 
     def forget(self, exchange: Watched) -> None:
         self._open.discard(exchange)
+        self._held.discard(exchange)
 
-    async def refresh(self, full: bool = False) -> None:
-        """Bring every open exchange's clocks up to date, and its timing if it has not been for
-        `REPLAY_S` (`full`: every one's; `Watched.refresh`), a slice at a time."""
-        exchanges = list(self._open)
+    def hold(self, exchange: Watched) -> None:
+        """The native leg took the exchange's stream: its clocks are the thread's now."""
+        if exchange in self._open:
+            self._held.add(exchange)
+
+    def release(self, exchange: Watched) -> None:
+        """The native leg gave the stream back: Python keeps its clocks again."""
+        self._held.discard(exchange)
+
+    async def refresh(self, full: bool = False) -> list[Watched]:
+        """Bring the held exchanges up to date (`Watched.refresh`), a slice at a time: those
+        whose timing has not been for `REPLAY_S` or whose clocks may be past a timeout (`full`:
+        every one, its timing too). Return those whose clocks were read: the held streams
+        the timeouts may end (`check`)."""
         now_ns = perf_counter_ns()
         every_ns = 0 if full else int(REPLAY_S * NS)
+        if full or self.native is None or self.gauges_each_pass:
+            exchanges = list(self._held)
+        else:
+            exchanges = [e for e in self.native.due(now_ns - every_ns, now_ns - self.idle_ns,
+                                                    now_ns - self.client_stall_ns)
+                         if e in self._held]
         for start in range(0, len(exchanges), SLICE):
             if start:
                 await asyncio.sleep(0)
             for exchange in exchanges[start:start + SLICE]:
                 exchange.refresh(now_ns, every_ns)
+        return exchanges
 
     async def before_render(self) -> None:
         """Before a render of `/metrics` by this process: every stream's timing replayed, and
@@ -186,19 +216,22 @@ class LiveStreams:
         if self._gauges is not None:
             self._gauges.set(self.counts(now_ns))
 
-    def check(self, now_ns: int) -> int:
+    def check(self, now_ns: int, refreshed: Iterable[Watched] = ()) -> int:
         """End every exchange silent past the idle timeout, or whose client has not read for
         the client stall timeout, and set the gauges if every pass does; return how many were
-        ended. Reads the clocks as they are: `refresh()` first brings those of native streams
-        up to date."""
-        silent = [e for e in self._open if now_ns - e.last_read_ns > self.idle_ns]
+        ended. Reads the clocks as they are: of the held exchanges, only those `refreshed`
+        (what `refresh()` returned) are up to date, and only those are looked at."""
+        held = self._held
+        looked = (self._open - held) | held.intersection(refreshed) if held else self._open
+        silent = [e for e in looked if now_ns - e.last_read_ns > self.idle_ns]
         for exchange in silent:
-            self._open.discard(exchange)
+            self.forget(exchange)
             exchange.idle_timeout()
-        blocked = [e for e in self._open
-                   if e.client_blocked_ns and now_ns - e.client_blocked_ns > self.client_stall_ns]
+        blocked = [e for e in looked
+                   if e.client_blocked_ns and now_ns - e.client_blocked_ns > self.client_stall_ns
+                   and e in self._open]
         for exchange in blocked:
-            self._open.discard(exchange)
+            self.forget(exchange)
             exchange.client_stalled()
         if self.gauges_each_pass:
             self.set_gauges(now_ns)
@@ -208,6 +241,7 @@ class LiveStreams:
         """End every open exchange now (shutting down, its grace over); return how many."""
         ending = list(self._open)
         self._open.clear()
+        self._held.clear()
         for exchange in ending:
             exchange.shut_down()
         return len(ending)
@@ -244,5 +278,5 @@ class LiveStreams:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
-            await self.refresh()
-            self.check(perf_counter_ns())
+            refreshed = await self.refresh()
+            self.check(perf_counter_ns(), refreshed)

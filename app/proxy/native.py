@@ -126,6 +126,14 @@ class NativeRelay:
             return None
         return stream
 
+    def due(self, replay_before_ns: int, idle_before_ns: int,
+            stall_before_ns: int) -> list[Any]:
+        """The owners of the streams held now that a pass of the live registry must look at:
+        not replayed since `replay_before_ns`, still without a first token, without a read since
+        `idle_before_ns`, or whose client has not read since `stall_before_ns` (live.py)."""
+        owners: list[Any] = self._relay.due(replay_before_ns, idle_before_ns, stall_before_ns)
+        return owners
+
     def _returned(self) -> None:
         for stream in self._relay.finished():
             owner, stream.owner = stream.owner, None

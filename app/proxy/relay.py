@@ -446,6 +446,7 @@ class Exchange:
             return
         self._native = stream
         self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
+        self._ctx.live.hold(self)
         self._ctx.metrics.native_streams.inc()
 
     def _start_native_at_head(self) -> None:
@@ -474,6 +475,7 @@ class Exchange:
         self._native = stream
         self._head = Head.NATIVE
         self._replayed_ns = perf_counter_ns()
+        self._ctx.live.hold(self)
         self._ctx.metrics.native_streams.inc()
 
     def _take_head(self, stream: Stream) -> None:
@@ -494,6 +496,7 @@ class Exchange:
     def native_returned(self, stream: Stream) -> None:
         """The native leg handed the stream back: go on from the byte it stopped at."""
         self._native = None
+        self._ctx.live.release(self)
         self._replay(stream)
         if self._head is Head.NATIVE:  # it gave the head back unread: Python reads it
             self._head = Head.PYTHON
@@ -748,7 +751,10 @@ class Exchange:
         finally:
             if leg is not None:
                 leg.on_pause = leg.on_resume = None
-        client_stalled = self._blocked_in_send or (leg is not None and leg.paused)
+        # (A stream the native leg held was blocked in the thread, whose unsent bytes may have
+        # fitted the transport's buffer since: the ending itself says the client stalled.)
+        client_stalled = (self.phase is Phase.CLIENT_STALLED or self._blocked_in_send
+                          or (leg is not None and leg.paused))
         if self.phase in _FORCED and client_stalled:
             # The client is not reading (at an idle timeout, that was the silence: back-pressure
             # from it). Another send would block the same way: end without one (the server

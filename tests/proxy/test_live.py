@@ -188,6 +188,7 @@ def test_a_pass_replays_a_native_log_only_when_due_a_snapshot_and_a_scrape_alway
         exchanges = [FakeExchange("a", i * NS, None, last_read_ns=i * NS) for i in range(3)]
         for exchange in exchanges:
             registry.watch(exchange)
+            registry.hold(exchange)
         await registry.refresh()
         assert all(e.replay_every == [int(REPLAY_S * NS)] for e in exchanges)
         await registry.refresh(full=True)
@@ -207,6 +208,7 @@ def test_a_pass_and_a_snapshot_give_the_event_loop_its_turn_between_slices() -> 
                      for i in range(2 * SLICE + 1)]
         for exchange in exchanges:
             registry.watch(exchange)
+            registry.hold(exchange)
         seen: list[int] = []  # streams refreshed, each time another task ran meanwhile
 
         async def other() -> None:

@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from importlib import import_module
 from typing import Any
@@ -294,6 +295,42 @@ def test_an_upstream_silent_before_its_head_times_out_alike(
     assert mine.outcome == theirs.outcome == "timeout"
     assert mine.http_status == theirs.http_status
     assert _native_streams(native) == 1 and _native_streams(python) == 0
+
+
+def test_an_upstream_silent_mid_stream_times_out_while_the_native_leg_holds_it(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    # A held stream's clocks are the thread's: the live registry reads them when the thread
+    # names the stream as past a timeout (`NativeRelay.due`), not on every pass.
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 10), 30.0,
+                           *_ending(10)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True, upstream_idle_timeout_s=0.5)
+    started = time.monotonic()
+    got = _stream(proxy.url, ASK)
+    took = time.monotonic() - started
+    assert b'"content":"t10"' in got and b"went silent past the idle timeout" in got
+    assert got.endswith(b"data: [DONE]\n\n")
+    assert 0.5 <= took < 5.0  # the upstream's pause is 30 s: the timeout ended it
+    record = proxy.next_record()
+    assert record.outcome == "timeout" and record.output_tokens == 10
+    assert _native_streams(proxy) == 1
+
+
+def test_a_client_that_stops_reading_is_ended_while_the_native_leg_holds_it(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3000, pad=8000),
+                           *_ending(3000)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True, client_stall_timeout_s=0.5)
+    with _sent(proxy) as sock:
+        seen = b""
+        while b'"content":"t1' not in seen:  # into the tokens, then it stops reading
+            seen += sock.recv(65536)
+        assert raw_upstream.blocked.wait(20)  # every buffer between is full
+        assert raw_upstream.closed_by_peer.wait(10)  # ended: the engine is told to stop
+    record = proxy.next_record()
+    assert record.outcome == "cancelled"
+    assert record.error == "client stopped reading past the client stall timeout"
+    assert 0 < record.output_tokens < 3000
+    assert _native_streams(proxy) >= 1
 
 
 def test_a_client_that_leaves_before_the_head_closes_the_upstream(
