@@ -23,6 +23,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.samples import Exemplar as SampledExemplar
+from prometheus_client.values import MutexValue
 
 # An exemplar's labels.
 Exemplar = dict[str, str]
@@ -84,6 +85,53 @@ def with_edges(buckets: tuple[float, ...], *edges: float) -> tuple[float, ...]:
     return tuple(sorted(set(buckets) | set(edges)))
 
 
+class LoopValue:
+    """prometheus_client's `MutexValue` without its lock, for a series that one thread alone
+    writes: the relay's, all written on the event loop's thread. The lock costs more than the
+    addition it guards (two C calls and a dozen bytecodes for each of the twenty or so
+    increments of a request), and guards nothing there: no other thread writes, and a read
+    (a scrape's render, in a worker thread) sees the whole float before or after an increment."""
+
+    __slots__ = ("_exemplar", "_value")
+    _multiprocess = False
+
+    def __init__(self, value: float = 0.0, exemplar: SampledExemplar | None = None) -> None:
+        self._value = value
+        self._exemplar = exemplar
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: SampledExemplar) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> SampledExemplar | None:
+        return self._exemplar
+
+
+def loop_owned(metric: Histogram | Counter | Gauge) -> None:
+    """Give a metric without labels, or a labelled child, `LoopValue`s in place of its
+    `MutexValue`s (with what they hold). Under several workers its values are the multiprocess
+    files' (`MmapedValue`) and stay so. The attributes are prometheus_client's own, not its
+    public API: `tests/proxy/test_metrics.py` renders a metric both ways and compares."""
+    def own(value: object) -> object:
+        if type(value) is not MutexValue:
+            return value
+        return LoopValue(value._value, value._exemplar)
+
+    if isinstance(metric, Histogram):
+        metric._sum = own(metric._sum)
+        metric._buckets = [own(bucket) for bucket in metric._buckets]
+    else:
+        metric._value = own(metric._value)
+
+
 def fast_observe(child: Histogram) -> Observe:
     """`child.observe`, for the observations the relay makes per token and per request.
 
@@ -136,7 +184,9 @@ def fast_observe_counts(child: Histogram) -> ObserveCounts:
 
 def _parts(child: Histogram) -> tuple[list[float], list[Callable[[float], None]],
                                       Callable[[float], None]]:
-    """A labelled histogram child's bounds, its buckets' and its sum's increments."""
+    """A labelled histogram child's bounds, its buckets' and its sum's increments (the
+    relay's: the loop's alone, `loop_owned`)."""
+    loop_owned(child)
     return (list(child._upper_bounds), [bucket.inc for bucket in child._buckets],
             child._sum.inc)
 
@@ -248,6 +298,8 @@ class ProxyMetrics:
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
         self._ended: dict[tuple[str, str, str], EndedMetrics] = {}
         self.observe_proxy_queue = fast_observe(self.proxy_queue)
+        loop_owned(self.in_flight)
+        loop_owned(self.native_streams)
 
     def bind(self, model: str, endpoint: str) -> BoundMetrics:
         key = (model, endpoint)
@@ -272,9 +324,11 @@ class ProxyMetrics:
         key = (model, endpoint, outcome)
         ended = self._ended.get(key)
         if ended is None:
+            requests = self.requests.labels(model, endpoint, outcome)
+            loop_owned(requests)
             ended = EndedMetrics(
                 observe_e2e=fast_observe(self.e2e.labels(model, endpoint, outcome)),
-                count_request=self.requests.labels(model, endpoint, outcome).inc,
+                count_request=requests.inc,
             )
             self._ended[key] = ended
         return ended

@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 import orjson
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from phasewatch.core.metrics import ProxyMetrics
+from phasewatch.core.metrics import LoopValue, ProxyMetrics, loop_owned
 from tests.conftest import Proxy
 from tests.support.served import wait_for
 
@@ -110,6 +110,37 @@ def test_fast_observe_leaves_what_observe_leaves() -> None:
         assert any(value == len(values) for s_name, _, value, _, _ in exposed(fast_m)
                    if s_name.endswith("_count")), name
         assert any(s[3] for s in exposed(fast_m)), name  # exemplars were set
+
+
+def test_loop_owned_values_render_what_prometheus_clients_own_render() -> None:
+    """The relay's series hold `LoopValue`s (no lock), carrying over what the values held,
+    and render exactly as prometheus_client's own after the same writes."""
+    def made(owned: bool) -> list[Any]:
+        registry = CollectorRegistry()
+        counter = Counter("c", "c", ("outcome",), registry=registry)
+        gauge = Gauge("g", "g", registry=registry)
+        histogram = Histogram("h", "h", registry=registry, buckets=(0.1, 1.0))
+        child = counter.labels("ok")
+        child.inc(2)
+        gauge.inc(5)
+        histogram.observe(0.05)
+        if owned:
+            for metric in (child, gauge, histogram):
+                loop_owned(metric)
+            assert type(child._value) is type(gauge._value) is LoopValue
+            assert type(histogram._sum) is LoopValue
+            assert all(type(bucket) is LoopValue for bucket in histogram._buckets)
+        child.inc(1)
+        gauge.dec(2)
+        gauge.inc()
+        histogram.observe(0.5)
+        histogram.observe(7.0)
+        child.inc(1, {"request_id": "r1"})
+        return [(s.name, s.labels, s.value, s.exemplar and (s.exemplar.labels, s.exemplar.value))
+                for family in registry.collect() for s in family.samples
+                if not s.name.endswith("_created")]
+
+    assert made(owned=True) == made(owned=False)
 
 
 def test_a_request_ending_is_counted_once_in_its_own_series() -> None:
