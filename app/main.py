@@ -171,6 +171,7 @@ def create_app(
             live=live,
             admin=admin,
             shutdown=Shutdown(live, settings.shutdown_grace_s),
+            loop=asyncio.get_running_loop(),
             passthrough_timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=settings.upstream_connect_timeout_s,
                 sock_read=settings.upstream_idle_timeout_s),

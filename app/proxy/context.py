@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,9 @@ class ProxyContext:
     admin: AdminAccess  # who may file requests under a run (x-phasewatch-run-id)
     shutdown: Shutdown  # serving, draining or ending
     passthrough_timeout: aiohttp.ClientTimeout
+    # The loop the app serves on, at hand: `asyncio.get_running_loop()` makes a system call
+    # (getpid) each time, a few times a request.
+    loop: asyncio.AbstractEventLoop
     exemplars: bool = False  # TTFT and ITL observations carry the request's id
     otel: OtelExport | None = None  # None: OpenTelemetry is off, and none of it runs
     native: NativeRelay | None = None  # None: streams are relayed in Python alone

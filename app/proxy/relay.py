@@ -238,7 +238,7 @@ class Exchange:
 
     async def _next(self) -> None:
         """Sleep until the phase moves (or, on other servers, output is pending)."""
-        self._wake = asyncio.get_running_loop().create_future()
+        self._wake = self._ctx.loop.create_future()
         try:
             await self._wake
         finally:
@@ -556,7 +556,7 @@ class Exchange:
     # -- the coroutine ----------------------------------------------------------------------
 
     async def run(self, receive: Receive, send: Send) -> None:
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(self._ctx.loop)
         leg = self._leg
         watcher = None
         if leg is not None:
@@ -645,7 +645,7 @@ class Exchange:
     async def _unless_ended(self, coro: Coroutine[Any, Any, T]) -> T | None:
         """Await `coro` unless the exchange ends first (client gone, idle timeout)."""
         task = asyncio.ensure_future(coro)
-        self._wake = asyncio.get_running_loop().create_future()
+        self._wake = self._ctx.loop.create_future()
         try:
             await asyncio.wait((task, self._wake), return_when=asyncio.FIRST_COMPLETED)
         finally:
