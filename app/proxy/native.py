@@ -20,9 +20,11 @@ back, before each render of `/metrics` by its process and each live snapshot, an
 on a pass of the live registry once `REPLAY_S` have gone by since the last (live.py). So a
 scrape of a single process counts every token relayed before it, and under several workers
 another worker's native streams reach the ITL histogram at most `REPLAY_S` and a pass late.
-The idle and client-stall timeouts read the thread's last read and blocked-since times on
-every pass (`clocks()`, at most a second apart). A client that leaves after the thread sent
-`[DONE]` had its whole answer, as on the Python path: that cancels nothing.
+The idle and client-stall timeouts read the thread's last read and blocked-since times
+(`clocks()`) of the streams the thread names on a pass (`due`: those whose clocks may be past
+a timeout, or whose replay is due), so a timeout is seen within a pass of it, as on the Python
+path. A client that leaves after the thread sent `[DONE]` had its whole answer, as on the
+Python path: that cancels nothing.
 
 A stream can also come to the thread as soon as its request is sent (`start(..., head=...)`,
 relay.py `_start_native_at_head`): a streamed request counted from its first token (one

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import select
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -190,3 +191,29 @@ def test_a_stop_before_the_head_hands_back_what_came_of_it(pair: Pair) -> None:
     assert stream.ending == Ending.ASKED
     assert stream.leftover == PLAIN[:30]
     assert stream.head is None and pair.received == b""
+
+
+def test_the_live_pass_is_named_the_stream_until_a_poll_took_its_first_token(
+        relay: Any, pair: Pair) -> None:
+    """`Relay.due` (live.py's pass): a stream started at its head is named on every pass until
+    a poll has taken its first token; then only when its replay is due or its clocks are past
+    a timeout. Nothing else held is named."""
+    def named(replay_before: int = 0, idle_before: int = 0) -> bool:
+        owners = relay.due(replay_before, idle_before, 0)
+        assert owners in ([], [pair])
+        return owners == [pair]
+
+    assert named()  # no head yet, no read: named
+    pair.send(PLAIN, _frame(ROLE))
+    pair.relayed(1)
+    pair.stream.poll()
+    assert named()  # the role chunk polled: still no token
+    pair.send(_frame(_token(1)))
+    pair.relayed(2)
+    assert named()  # the token is read, not yet polled
+    pair.stream.poll()
+    assert not named()  # polled: nothing due, no timeout near
+    now = time.perf_counter_ns()  # the thread's clock (CLOCK_MONOTONIC)
+    assert named(replay_before=now)  # its last poll is before `now`: a replay is due
+    assert named(idle_before=now)  # its last read is before `now`: maybe silent too long
+    assert not named(replay_before=now - 60 * 10**9, idle_before=now - 60 * 10**9)
