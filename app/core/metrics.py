@@ -300,6 +300,8 @@ class ProxyMetrics:
         self.observe_proxy_queue = fast_observe(self.proxy_queue)
         loop_owned(self.in_flight)
         loop_owned(self.native_streams)
+        # Set by each record queued and each batch stored, both on the event loop.
+        loop_owned(self.record_queue_depth)
 
     def bind(self, model: str, endpoint: str) -> BoundMetrics:
         key = (model, endpoint)
