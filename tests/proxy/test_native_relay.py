@@ -209,6 +209,25 @@ def test_the_client_gets_the_same_bytes_and_the_record_the_same_figures(
     assert native.sample(itl, labels) == python.sample(itl, labels) == 89
 
 
+def test_a_write_larger_than_the_native_legs_buffer_is_relayed_whole(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
+    # Once the thread holds the stream, ~220 KB arrive in one write with the stream's end in
+    # it and nothing after: more than one read of its 64 KB buffer, and no later arrival to
+    # say the rest is there. Every byte must still be read and relayed.
+    burst = b"".join([*_tokens(4, 900, pad=8), *_ending(900)])
+    assert len(burst) > 3 * 64 * 1024
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3), burst]
+    native, python = two_proxies
+    got = _stream(native.url, ASK)
+    assert got == _stream(python.url, ASK)
+    assert got.endswith(b"data: [DONE]\n\n")
+    mine, theirs = native.next_record(), python.next_record()
+    assert mine.outcome == theirs.outcome == "ok"
+    assert mine.output_tokens == theirs.output_tokens == 900
+    assert mine.itl_count == theirs.itl_count == 899
+    assert _native_streams(native) >= 1
+
+
 def test_a_held_terminal_chunk_keeps_its_own_read_time(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
     # The last token comes in the terminal chunk; the usage chunk that releases it comes
