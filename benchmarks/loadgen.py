@@ -55,6 +55,10 @@ class Results:
         self.measured = 0
         self.ok = 0
         self.content_chunks = 0  # every request, measured or not
+        # Content chunks received within [window_ns[0], window_ns[1]) (CLOCK_MONOTONIC): the
+        # arrivals after the warm-up, while the streams are all open (`run`).
+        self.window_ns = (0, 0)
+        self.window_chunks = 0
         self.events = 0  # every `data:` event received, [DONE] included
         self.in_flight = 0
         self.max_in_flight = 0
@@ -69,6 +73,8 @@ class Results:
             "measured": self.measured,
             "ok": self.ok,
             "content_chunks": self.content_chunks,
+            "window_ns": list(self.window_ns),
+            "window_chunks": self.window_chunks,
             "events": self.events,
             "max_in_flight": self.max_in_flight,
         }
@@ -143,6 +149,8 @@ async def one_request(
                     if not text:
                         continue
                     content += 1
+                    if res.window_ns[0] <= now < res.window_ns[1]:
+                        res.window_chunks += 1
                     if first_ns is None:
                         first_ns = now
                     lags.append(now - int(obj["id"].rsplit("-", 1)[1]))
@@ -189,6 +197,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         start = loop.time()
         wall0 = time.monotonic_ns()
+        origin = args.start_at_ns or wall0  # the shards' shared start, as the caller has it
+        res.window_ns = (origin + int(args.warmup * 1e9), origin + int(args.duration * 1e9))
         tasks: list[asyncio.Task[None]] = []
         for offset in arrivals:
             delay = start + offset - loop.time()

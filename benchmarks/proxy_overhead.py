@@ -27,6 +27,13 @@ What it reports, per concurrency (medians over repeats; the machine is small and
   own Python), the native relay (the thread relaying the middle of streams, named
   `pw-native-relay`), and other threads (the diagnosis's statistics, the database drivers).
   nginx's whole process is the yardstick for the native relay's share;
+- the same CPU per chunk over the arrivals after the warm-up alone (`steady_window`: /proc read
+  when the warm-up ends and when the arrivals end, over the content chunks the clients received
+  in between), every stream of the shape open. The figure above spreads the whole run's CPU
+  over its chunks, the fill-up and the drain included; at 1,024 streams of 20 s those are 40 s
+  of an 80 s run at about half the chunk rate, where work done per second (the periodic
+  duties) weighs more per chunk than in a deployment's steady state. The targets are checked
+  on the whole run's figure;
 - the upstream's and load generator's CPU, the generator's lateness against its schedule, and
   the CPU that other processes used on the machine during each run, so noise is visible.
 
@@ -460,6 +467,10 @@ class Run:
     # phasewatch's CPU per chunk by thread role (THREAD_ROLES); empty for the other paths
     proxy_threads_us_per_chunk: dict[str, float | None]
     upstream_cpu_us_per_chunk: float | None
+    # The same over the arrivals after the warm-up alone, every stream of the shape open (the
+    # fill-up and the drain left out): a deployment's steady state (`steady_window`).
+    steady_cpu_us_per_chunk: float | None
+    steady_threads_us_per_chunk: dict[str, float | None]
     loadgen_busy_cores: float  # the generator's CPU over its active window / that window
     loadgen_lateness_p99_ms: float | None
     other_load_cores: float | None  # CPU used by processes outside this benchmark
@@ -583,18 +594,57 @@ def run_loadgen(args: argparse.Namespace, target: Server, shape: Shape, seed: in
                     "cpu_s"):
             merged[key] += shard[key]
         merged["wall_s"] = max(merged["wall_s"], shard["wall_s"])
+        merged["window_chunks"] = merged.get("window_chunks", 0) + shard["window_chunks"]
         for name, count in shard["errors"].items():
             merged["errors"][name] = merged["errors"].get(name, 0) + count
     return merged
+
+
+def steady_window(server: Server, start_ns: int, end_ns: int) -> tuple[threading.Thread,
+                                                                        dict[str, float]]:
+    """CPU seconds `server` used between two CLOCK_MONOTONIC moments (key `total`, and one
+    per THREAD_ROLES), read from /proc by a thread that sleeps until each: the arrivals after
+    the warm-up, while every stream of the shape is open. Join the thread, then read."""
+    out: dict[str, float] = {}
+
+    def sample() -> tuple[tuple[int, int] | None, dict[str, int]]:
+        return server.cpu_ticks(), server.thread_ticks()
+
+    def run() -> None:
+        time.sleep(max(0.0, (start_ns - time.monotonic_ns()) / 1e9))
+        (first, first_threads) = sample()
+        time.sleep(max(0.0, (end_ns - time.monotonic_ns()) / 1e9))
+        (last, last_threads) = sample()
+        if first is None or last is None:
+            return
+        total = (last[0] + last[1] - first[0] - first[1]) / CLK_TCK
+        out["total"] = total
+        for role, ticks in last_threads.items():
+            used = (ticks - first_threads.get(role, 0)) / CLK_TCK
+            out[role] = used
+            total -= used
+        out["other threads"] = total
+
+    thread = threading.Thread(target=run, name="steady-window", daemon=True)
+    thread.start()
+    return thread, out
 
 
 def one_run(args: argparse.Namespace, path: str, target: Server, upstream: Server,
             proxies: dict[str, Server], shape: Shape, repeat: int, tmp: Path) -> Run:
     seed = args.seed * 1000 + repeat  # the same schedule for every path within a repeat
     watched = [upstream, *proxies.values()]
+    start_at = time.monotonic_ns() + 1_500_000_000  # as run_loadgen's default
+    sampler, steady = steady_window(target, start_at + int(shape.warmup * 1e9),
+                                    start_at + int(shape.duration * 1e9))
     with cpu_window(watched) as cpu:
-        result = run_loadgen(args, target, shape, seed, tmp)
+        result = run_loadgen(args, target, shape, seed, tmp, start_at)
+    sampler.join()
     chunks = result["content_chunks"]
+    window_chunks = result.get("window_chunks", 0)
+
+    def steady_us(cpu_s: float | None) -> float | None:
+        return cpu_s / window_chunks * 1e6 if cpu_s is not None and window_chunks else None
 
     def per_chunk_us(cpu_s: float | None) -> float | None:
         return cpu_s / chunks * 1e6 if cpu_s is not None and chunks else None
@@ -623,6 +673,10 @@ def one_run(args: argparse.Namespace, path: str, target: Server, upstream: Serve
             role: per_chunk_us(cpu.get(f"{path}.{role}")) for role in THREAD_ROLES
         } if path in proxies and path != "nginx" else {},
         upstream_cpu_us_per_chunk=per_chunk_us(cpu[upstream.name]),
+        steady_cpu_us_per_chunk=steady_us(steady.get("total")) if path in proxies else None,
+        steady_threads_us_per_chunk={
+            role: steady_us(steady.get(role)) for role in THREAD_ROLES
+        } if path in proxies and path != "nginx" else {},
         loadgen_busy_cores=result["cpu_s"] / wall,
         loadgen_lateness_p99_ms=percentile_ms(result["lateness_ns"], 0.99),
         other_load_cores=other,
@@ -658,6 +712,11 @@ def summarize(runs: list[Run], concurrency: int, paths: Sequence[str]) -> dict[s
             for role in THREAD_ROLES
         } if any(r.proxy_threads_us_per_chunk for r in mine) else {}
         entry["upstream_cpu_us_per_chunk"] = median([r.upstream_cpu_us_per_chunk for r in mine])
+        entry["steady_cpu_us_per_chunk"] = median([r.steady_cpu_us_per_chunk for r in mine])
+        entry["steady_threads_us_per_chunk"] = {
+            role: median([r.steady_threads_us_per_chunk.get(role) for r in mine])
+            for role in THREAD_ROLES
+        } if any(r.steady_threads_us_per_chunk for r in mine) else {}
         entry["loadgen_busy_cores"] = median([r.loadgen_busy_cores for r in mine])
         entry["loadgen_lateness_p99_ms"] = median([r.loadgen_lateness_p99_ms for r in mine])
         entry["other_load_cores"] = median([r.other_load_cores for r in mine])
@@ -674,6 +733,11 @@ def summarize(runs: list[Run], concurrency: int, paths: Sequence[str]) -> dict[s
                 for i in repeats
                 if (a := by.get((path, i))) is not None and (b := by.get(("nginx", i))) is not None
                 and a.proxy_cpu_us_per_chunk and b.proxy_cpu_us_per_chunk]
+            entry["steady_cpu_vs_nginx_per_repeat"] = [
+                a.steady_cpu_us_per_chunk / b.steady_cpu_us_per_chunk
+                for i in repeats
+                if (a := by.get((path, i))) is not None and (b := by.get(("nginx", i))) is not None
+                and a.steady_cpu_us_per_chunk and b.steady_cpu_us_per_chunk]
         if path != "direct":
             for m in METRICS:
                 diffs: list[float | None] = []
@@ -749,6 +813,16 @@ def print_level(shape: Shape, summary: dict[str, Any], paths: Sequence[str],
             print("phasewatch CPU/chunk by thread: " + ", ".join(
                 f"{role} {fmt(split[role], ' us', digits=1)}" for role in THREAD_ROLES)
                 + f" (nginx's whole process {fmt(ng['proxy_cpu_us_per_chunk'], ' us', digits=1)})")
+        steady, steady_split = pw.get("steady_cpu_us_per_chunk"), pw.get(
+            "steady_threads_us_per_chunk") or {}
+        print(f"CPU/chunk with every stream open (arrivals from {shape.warmup:g} to "
+              f"{shape.duration:g} s; fill-up and drain left out): phasewatch "
+              f"{fmt(steady, ' us', digits=1)} vs nginx "
+              f"{fmt(ng.get('steady_cpu_us_per_chunk'), ' us', digits=1)} "
+              f"({ratio(steady, ng.get('steady_cpu_us_per_chunk'))}; per repeat "
+              f"{', '.join(f'{r:.2f}' for r in pw.get('steady_cpu_vs_nginx_per_repeat', []))})"
+              + ("; by thread " + ", ".join(f"{role} {fmt(steady_split[role], ' us', digits=1)}"
+                                             for role in THREAD_ROLES) if steady_split else ""))
     else:
         print(f"phasewatch adds {fmt(pw['added_ttft_p99_ms'], ' ms', True)} TTFT p99, "
               f"{fmt(pw['added_lag_p99_ms'], ' ms', True)} chunk lag p99; CPU/chunk "
