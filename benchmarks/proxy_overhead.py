@@ -30,10 +30,9 @@ What it reports, per concurrency (medians over repeats; the machine is small and
 - the same CPU per chunk over the arrivals after the warm-up alone (`steady_window`: /proc read
   when the warm-up ends and when the arrivals end, over the content chunks the clients received
   in between), every stream of the shape open. The figure above spreads the whole run's CPU
-  over its chunks, the fill-up and the drain included; at 1,024 streams of 20 s those are 40 s
-  of an 80 s run at about half the chunk rate, where work done per second (the periodic
-  duties) weighs more per chunk than in a deployment's steady state. The targets are checked
-  on the whole run's figure;
+  over its chunks, the fill-up and the drain included (at 1,024 streams of 20 s, 40 s of an
+  80 s run at about half the chunk rate; they moved phasewatch's figure by about 3% there,
+  docs/benchmarks.md). The targets are checked on the whole run's figure;
 - the upstream's and load generator's CPU, the generator's lateness against its schedule, and
   the CPU that other processes used on the machine during each run, so noise is visible.
 
@@ -488,6 +487,22 @@ def percentile_ms(samples: list[int], q: float) -> float | None:
     return ordered[rank] / 1e6
 
 
+def cpu_between(start: tuple[int, int] | None, start_threads: dict[str, int],
+                end: tuple[int, int] | None, end_threads: dict[str, int],
+                ) -> dict[str, float] | None:
+    """CPU seconds between two reads of `Server.cpu_ticks` and `Server.thread_ticks`: `total`,
+    `sys`, one per thread role, and `other threads` (the total less the roles)."""
+    if start is None or end is None:
+        return None
+    total = (end[0] + end[1] - start[0] - start[1]) / CLK_TCK
+    out = {"total": total, "sys": (end[1] - start[1]) / CLK_TCK}
+    for role, ticks in end_threads.items():
+        out[role] = (ticks - start_threads.get(role, 0)) / CLK_TCK
+        total -= out[role]
+    out["other threads"] = total
+    return out
+
+
 @contextmanager
 def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
     """CPU seconds used by each server, waited children, and the whole machine in the block."""
@@ -500,18 +515,13 @@ def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
     busy1 = system_busy_ticks()
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     for s in servers:
-        start, end = before[s.name], s.cpu_ticks()
-        if start is None or end is None:
+        used = cpu_between(before[s.name], threads_before[s.name], s.cpu_ticks(),
+                           s.thread_ticks())
+        if used is None:
             out[s.name] = out[s.name + ".sys"] = None
             continue
-        total = (end[0] + end[1] - start[0] - start[1]) / CLK_TCK
-        out[s.name] = total
-        out[s.name + ".sys"] = (end[1] - start[1]) / CLK_TCK
-        for role, ticks in s.thread_ticks().items():
-            used = (ticks - threads_before[s.name][role]) / CLK_TCK
-            out[f"{s.name}.{role}"] = used
-            total -= used
-        out[f"{s.name}.other threads"] = total
+        out[s.name] = used.pop("total")
+        out.update({f"{s.name}.{key}": value for key, value in used.items()})
     out["children"] = (children1.ru_utime - children0.ru_utime) + (
         children1.ru_stime - children0.ru_stime)
     if busy0 is not None and busy1 is not None:
@@ -607,23 +617,12 @@ def steady_window(server: Server, start_ns: int, end_ns: int) -> tuple[threading
     the warm-up, while every stream of the shape is open. Join the thread, then read."""
     out: dict[str, float] = {}
 
-    def sample() -> tuple[tuple[int, int] | None, dict[str, int]]:
-        return server.cpu_ticks(), server.thread_ticks()
-
     def run() -> None:
         time.sleep(max(0.0, (start_ns - time.monotonic_ns()) / 1e9))
-        (first, first_threads) = sample()
+        first, first_threads = server.cpu_ticks(), server.thread_ticks()
         time.sleep(max(0.0, (end_ns - time.monotonic_ns()) / 1e9))
-        (last, last_threads) = sample()
-        if first is None or last is None:
-            return
-        total = (last[0] + last[1] - first[0] - first[1]) / CLK_TCK
-        out["total"] = total
-        for role, ticks in last_threads.items():
-            used = (ticks - first_threads.get(role, 0)) / CLK_TCK
-            out[role] = used
-            total -= used
-        out["other threads"] = total
+        out.update(cpu_between(first, first_threads, server.cpu_ticks(),
+                               server.thread_ticks()) or {})
 
     thread = threading.Thread(target=run, name="steady-window", daemon=True)
     thread.start()
