@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 import time
@@ -104,8 +105,11 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
     started: list[ThreadServer] = []
 
-    def make(upstream: str, http: Any = None, **overrides: Any) -> Proxy:
-        """`http`: uvicorn's protocol to serve with; default phasewatch's (as `serve` runs)."""
+    def make(upstream: str, http: Any = None,
+             loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+             **overrides: Any) -> Proxy:
+        """`http`: uvicorn's protocol to serve with; default phasewatch's (as `serve` runs).
+        `loop_factory`: the event loop (default asyncio's; `serve` runs uvloop's)."""
         registry = CollectorRegistry()
         # The admin API opened, as on a trusted network: tests of other things read records
         # through it (tests/faults/test_admin_access.py tests the closed default). /metrics rendered
@@ -114,7 +118,8 @@ def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
         overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02,
                      "admin_open": True, "metrics_cache_s": 0, **overrides}
         settings = load_settings(upstream_url=upstream, **overrides)
-        server = ThreadServer(create_app(settings, registry=registry), http=http).start()
+        server = ThreadServer(create_app(settings, registry=registry), http=http,
+                              loop_factory=loop_factory).start()
         started.append(server)
         return Proxy(server, registry)
 

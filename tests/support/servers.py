@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,8 +35,12 @@ def free_port() -> int:
 class ThreadServer:
     """A uvicorn server running an ASGI app in a background thread with its own event loop."""
 
-    def __init__(self, app: Any, port: int | None = None, http: Any = None) -> None:
+    def __init__(self, app: Any, port: int | None = None, http: Any = None,
+                 loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> None:
+        """`loop_factory`: the event loop to serve on (default asyncio's own; `serve` runs on
+        uvloop's where it is installed, `uvloop.new_event_loop`)."""
         self.app = app
+        self._loop_factory = loop_factory or asyncio.new_event_loop
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -49,7 +53,7 @@ class ThreadServer:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = self._loop_factory()
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self.server.serve())
 
