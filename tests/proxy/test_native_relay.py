@@ -516,7 +516,7 @@ def test_under_uvloop_the_loop_stops_watching_an_upstream_the_native_leg_holds(
     for request in range(2):
         gate = raw_upstream.head_gate = threading.Event()
         result: list[bytes] = []
-        client = threading.Thread(target=lambda: result.append(_stream(proxy.url, ASK)))
+        client = threading.Thread(target=lambda got=result: got.append(_stream(proxy.url, ASK)))
         client.start()
         try:
             deadline = time.monotonic() + 10
