@@ -7,7 +7,10 @@ once, behind one upstream (`fast_upstream.py`), each under its own copy of the s
 schedule (`loadgen.py`, same seed, same start time): every drift of the machine lands on both.
 
 - A is the baseline: another checkout (`--baseline-source`, e.g. a git worktree of the commit
-  before a change) or this checkout as it is (with `--variant`, or `--same`);
+  before a change), this checkout as it is (with `--variant`, or `--same`), or nginx
+  (`--nginx`, configured as `proxy_overhead.py` configures it: one process, no buffering,
+  kept-alive upstream connections), which puts `proxy_overhead.py`'s ratio to nginx to the
+  same test: each path's figure is then taken under the same drift of the machine;
 - B is this checkout, with the `--variant` settings if given. `--same` runs this checkout as
   both: an A/A run, the method's own resolution.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -42,11 +46,13 @@ from proxy_overhead import (
     fmt,
     make_shape,
     median,
+    nginx_version,
     parse_variants,
     percentile_ms,
     raise_fd_limit,
     run_loadgen,
     source_env,
+    start_nginx,
     start_phasewatch,
     start_upstream,
     stop,
@@ -60,6 +66,10 @@ def one_run(args: argparse.Namespace, upstream: Server, envs: dict[str, dict[str
     proxies: dict[str, Server] = {}
     try:
         for build in order:
+            if build == "A" and args.nginx is not None:
+                proxies[build] = start_nginx(args.nginx, upstream, tmp)
+                proxies[build].name = build
+                continue
             proxies[build] = start_phasewatch(upstream, tmp, name=build, extra_env=envs[build])
         results: dict[str, dict[str, Any]] = {}
         failures: list[BaseException] = []
@@ -135,6 +145,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="B: this checkout with these settings; A: this checkout as it is")
     which.add_argument("--same", action="store_true",
                        help="this checkout as A and as B: the method's own resolution")
+    which.add_argument("--nginx", nargs="?", const=shutil.which("nginx") or "/usr/sbin/nginx",
+                       default=None, metavar="BINARY",
+                       help="A: nginx (this binary; default the one on PATH), B: this checkout")
     p.add_argument("--concurrency", type=int, default=128,
                    help="concurrent streams held through each build (default 128: with both, "
                         "proxy_overhead's 256)")
@@ -172,13 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_fd_limit()
     shape = make_shape(args, args.concurrency)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
-    if args.baseline_source is not None:
+    if args.nginx is not None:
+        described = f"this checkout (B) against nginx {nginx_version(args.nginx)} (A)"
+    elif args.baseline_source is not None:
         described = f"this checkout (B) against {args.baseline_source} (A)"
     elif args.variant is not None:
         described = f"this checkout with {args.variant} (B) against it as it is (A)"
     else:
         described = "this checkout as both A and B (an A/A run: the method's resolution)"
-    print(f"phasewatch A/B, side by side: {described}")
+    print(f"A/B, side by side: {described}")
     print(f"  each: {shape.concurrency} streams of {args.chunks} content chunks, one every "
           f"{shape.interval_ms:g} ms ({shape.concurrency * 1000 / shape.interval_ms:,.0f} "
           f"chunks/s); arrivals for {shape.duration:g} s, the first {shape.warmup:g} s not "

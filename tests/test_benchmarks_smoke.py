@@ -4,9 +4,12 @@ speed is judged by running the scripts themselves, not by timed tests."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,6 +37,18 @@ def test_proxy_ab_quick(tmp_path: Path) -> None:
     assert isinstance(runs, list) and [run["first"] for run in runs] == ["A", "B"]
     assert all(run[build]["ok"] == run[build]["scheduled"] > 0 for run in runs for build in "AB")
     assert isinstance(summary, dict) and summary["errors"] == 0 and summary["cpu_ratio"] > 0
+
+
+def test_proxy_ab_against_nginx_quick(tmp_path: Path) -> None:
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        pytest.skip("nginx is not installed")
+    result = run("proxy_ab.py", tmp_path, "--nginx", nginx)
+    assert str(result["compared"]).startswith("this checkout (B) against nginx")
+    runs = result["runs"]
+    assert isinstance(runs, list) and len(runs) == 2
+    assert all(run[build]["ok"] == run[build]["scheduled"] > 0 for run in runs for build in "AB")
+    assert all(run[build]["cpu_us_per_chunk"] > 0 for run in runs for build in "AB")
 
 
 def test_opcode_census_quick(tmp_path: Path) -> None:
