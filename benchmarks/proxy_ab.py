@@ -147,7 +147,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="this checkout as A and as B: the method's own resolution")
     which.add_argument("--nginx", nargs="?", const=shutil.which("nginx") or "/usr/sbin/nginx",
                        default=None, metavar="BINARY",
-                       help="A: nginx (this binary; default the one on PATH), B: this checkout")
+                       help="A: nginx (this binary; default the one on PATH), B: this checkout "
+                            "(with --b-variant's settings, if given)")
+    p.add_argument("--b-variant", metavar="NAME:KEY=VALUE[,...]", default=None,
+                   help="with --nginx: B runs with these settings")
     p.add_argument("--concurrency", type=int, default=128,
                    help="concurrent streams held through each build (default 128: with both, "
                         "proxy_overhead's 256)")
@@ -173,6 +176,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 16 streams each, 8 chunks, one pair of 3 s runs")
     args = p.parse_args(argv)
+    if args.b_variant is not None and args.nginx is None:
+        p.error("--b-variant goes with --nginx (else use --variant)")
     args.loadgen_procs = 1  # run_loadgen's shards: one per build
     if args.quick:
         args.concurrency, args.chunks, args.pairs = 16, 8, 1
@@ -186,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = make_shape(args, args.concurrency)
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     if args.nginx is not None:
-        described = f"this checkout (B) against nginx {nginx_version(args.nginx)} (A)"
+        with_settings = f" with {args.b_variant}" if args.b_variant else ""
+        described = (f"this checkout{with_settings} (B) against nginx "
+                     f"{nginx_version(args.nginx)} (A)")
     elif args.baseline_source is not None:
         described = f"this checkout (B) against {args.baseline_source} (A)"
     elif args.variant is not None:
@@ -210,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     envs: dict[str, dict[str, str]] = {"A": {}, "B": {}}
                     if args.baseline_source is not None:
                         envs["A"] = source_env(args.baseline_source, run_tmp)
-                    elif args.variant is not None:
-                        envs["B"] = parse_variants([args.variant])[0][1]
+                    elif args.variant is not None or args.b_variant is not None:
+                        envs["B"] = parse_variants([args.variant or args.b_variant])[0][1]
                     run = one_run(args, upstream, envs, order, args.seed * 1000 + pair, run_tmp)
                     runs.append(run)
                     print_run(len(runs), run)
