@@ -78,7 +78,6 @@ typedef struct Stream Stream;
 typedef struct {
     PyObject_HEAD
     int epfd, wake_fd, notify_fd;
-    int loop_epfd;    /* the event loop's own epoll set (-1: unknown), see `Relay_start` */
     pthread_t thread;
     int running;
     pthread_mutex_t lock;
@@ -931,13 +930,10 @@ static PyTypeObject StreamType = {
 /* -- Python: Relay ------------------------------------------------------------------------- */
 
 static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    /* Relay(loop_epfd=-1): the event loop's epoll descriptor, where it is known. */
-    int loop_epfd = -1;
-    if (!PyArg_ParseTuple(args, "|i", &loop_epfd)) return NULL;
+    if (!PyArg_ParseTuple(args, "")) return NULL;
     Relay *r = (Relay *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
     r->epfd = r->wake_fd = r->notify_fd = -1;
-    r->loop_epfd = loop_epfd;
     pthread_mutex_init(&r->lock, NULL);
     r->epfd = epoll_create1(EPOLL_CLOEXEC);
     r->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -985,17 +981,14 @@ static void Relay_dealloc(Relay *r) {
 }
 
 static PyObject *Relay_start(Relay *r, PyObject *args) {
-    /* start(upstream_fd, client_fd, strip, hold, owner, head=None, disarm=False) -> Stream;
-     * `head`: (prefix, request id line, suffix) of the client's head, to take the stream from
-     * the upstream's head on (its request just sent) rather than from a chunk boundary of its
-     * body. `disarm`: the loop watches nothing else on `upstream_fd` (its reading is stopped and
-     * nothing waits to be written), so take it out of the loop's epoll set now (below). */
-    int up, client, strip, hold, disarm = 0;
+    /* start(upstream_fd, client_fd, strip, hold, owner, head=None) -> Stream; `head`: (prefix,
+     * request id line, suffix) of the client's head, to take the stream from the upstream's
+     * head on (its request just sent) rather than from a chunk boundary of its body. */
+    int up, client, strip, hold;
     PyObject *owner, *head = Py_None;
     const char *pre = NULL, *rid = NULL, *post = NULL;
     Py_ssize_t pre_len = 0, rid_len = 0, post_len = 0;
-    if (!PyArg_ParseTuple(args, "iippO|Op", &up, &client, &strip, &hold, &owner, &head,
-                          &disarm))
+    if (!PyArg_ParseTuple(args, "iippO|O", &up, &client, &strip, &hold, &owner, &head))
         return NULL;
     if (head != Py_None && !PyArg_ParseTuple(head, "y#y#y#", &pre, &pre_len, &rid, &rid_len,
                                              &post, &post_len))
@@ -1061,12 +1054,6 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
         Py_DECREF(s);
         return NULL;
     }
-    /* libuv stops watching a descriptor lazily: it stays in the loop's epoll set until its next
-     * event, when the loop wakes only to take it out. That event is the upstream's first bytes
-     * for this thread: a wake-up of the loop per stream, for nothing. Taken out here instead;
-     * libuv adds it again when reading resumes (an add that finds it there is a modify, so
-     * either order is safe). An error (not there: already taken out) changes nothing. */
-    if (disarm && r->loop_epfd >= 0) epoll_ctl(r->loop_epfd, EPOLL_CTL_DEL, up, NULL);
     return (PyObject *)s;
 }
 

@@ -105,31 +105,23 @@ class NativeRelay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        # uvloop's epoll descriptor (`_get_backend_id`, not in asyncio's API: -1 where absent),
-        # for the thread to take a handed-over upstream socket out of it (`start`).
-        backend = getattr(loop, "_get_backend_id", None)
-        self._relay = import_module("phasewatch.proxy._native").Relay(
-            backend() if backend is not None else -1)
+        self._relay = import_module("phasewatch.proxy._native").Relay()
         self._open = True
         loop.add_reader(self._relay.fileno(), self._returned)
 
     def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
-              owner: Owner, head: tuple[bytes, bytes, bytes] | None = None,
-              disarm: bool = False) -> Stream | None:
+              owner: Owner, head: tuple[bytes, bytes, bytes] | None = None) -> Stream | None:
         """Hand a stream to the thread, given its two sockets' descriptors (`plain_fd`): cut
         running usage (`strip_usage`), hold a terminal chunk (`hold_terminal`, as
         `StreamFeed` does when the closing usage chunk is cut). With `head` (the client head's
         prefix, its `x-request-id` line, its end) the thread takes the stream from the
-        upstream's head on; else from a chunk boundary of the body. `disarm`: the loop neither
-        reads the upstream socket now nor has anything waiting to write to it, so the thread
-        takes it out of the loop's epoll set (libuv would leave it there until its next event,
-        and wake the loop for it). None when the thread could not take it, and the stream stays
-        in Python."""
+        upstream's head on; else from a chunk boundary of the body. None when the thread could
+        not take it, and the stream stays in Python."""
         if not self._open:
             return None
         try:
             stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal,
-                                               owner, head, disarm)
+                                               owner, head)
         except (OSError, RuntimeError):
             log.warning("the native relay could not take a stream; it stays in Python",
                         exc_info=True)

@@ -439,7 +439,7 @@ class Exchange:
         conn.pause_reading()
         plan = self._plan
         stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
-                              plan.strip_final_usage, self, disarm=conn.quiet())
+                              plan.strip_final_usage, self)
         if stream is None:
             self._native_tried = True
             conn.resume_reading()
@@ -467,8 +467,7 @@ class Exchange:
         prefix, end = parts
         request_id = b"x-request-id: %b\r\n" % self._record.request_id.encode("latin-1")
         stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
-                              plan.strip_final_usage, self, (prefix, request_id, end),
-                              conn.quiet())
+                              plan.strip_final_usage, self, (prefix, request_id, end))
         if stream is None:
             self._native_tried = True
             conn.resume_reading()

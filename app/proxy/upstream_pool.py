@@ -108,13 +108,6 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and self.state is ConnState.BUSY:
             self.transport.resume_reading()
 
-    def quiet(self) -> bool:
-        """The loop neither reads this socket nor has anything to write to it (native.py
-        `start`'s `disarm`)."""
-        transport = self.transport
-        return (transport is not None and not transport.is_reading()
-                and not transport.get_write_buffer_size())
-
     def between_chunks(self) -> bool:
         """The last read ended exactly where a chunk of the body ends, and that chunk's data
         ends an SSE event (`\n\n`): the parser holds nothing, and the next byte starts a
