@@ -11,8 +11,8 @@ schedule (`loadgen.py`, same seed, same start time): every drift of the machine 
   (`--nginx`, configured as `proxy_overhead.py` configures it: one process, no buffering,
   kept-alive upstream connections), which puts `proxy_overhead.py`'s ratio to nginx to the
   same test: each path's figure is then taken under the same drift of the machine;
-- B is this checkout, with the `--variant` settings if given. `--same` runs this checkout as
-  both: an A/A run, the method's own resolution.
+- B is this checkout, with the `--variant` settings (against nginx, `--b-variant`'s) if
+  given. `--same` runs this checkout as both: an A/A run, the method's own resolution.
 
 Each pair is two runs with the roles swapped (which build starts first and takes the first
 port), so an advantage of position cancels. Both proxies start fresh for every run. Reported
