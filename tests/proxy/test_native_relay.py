@@ -475,15 +475,14 @@ def test_a_kept_alive_connection_carries_pipelined_streams_and_closes_when_asked
 
 
 def test_under_uvloop_the_native_leg_relays_alike_and_hands_the_connection_back(
-        make_proxy: Callable[..., Proxy], two_proxies: tuple[Proxy, Proxy],
-        raw_upstream: RawUpstream) -> None:
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     """`serve` runs on uvloop where it is installed (the other tests here on asyncio's loop):
     its transports pause and resume reading around the handoff their own way (libuv). The
     streams are relayed alike, and the pooled upstream connection, read again by the loop
     when a stream comes back, carries the next one."""
     uvloop = pytest.importorskip("uvloop")
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), *_ending(30)]
-    expected = _stream(two_proxies[1].url, ASK)
+    expected = _stream(make_proxy(raw_upstream.url, native_relay=False).url, ASK)
     proxy = make_proxy(raw_upstream.url, native_relay=True, loop_factory=uvloop.new_event_loop)
     assert type(proxy.server.loop).__module__.startswith("uvloop")
     for _ in range(3):
