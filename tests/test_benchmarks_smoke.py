@@ -51,6 +51,15 @@ def test_proxy_ab_against_nginx_quick(tmp_path: Path) -> None:
     assert all(run[build]["cpu_us_per_chunk"] > 0 for run in runs for build in "AB")
 
 
+def test_connection_cost_quick(tmp_path: Path) -> None:
+    result = run("connection_cost.py", tmp_path)
+    rounds, summary = result["rounds"], result["summary"]
+    assert isinstance(rounds, dict) and isinstance(summary, dict)
+    assert rounds["phasewatch"] and summary["phasewatch"]["kept_alive_us"] > 0
+    if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
+        assert summary["nginx"]["kept_alive_us"] > 0
+
+
 def test_opcode_census_quick(tmp_path: Path) -> None:
     result = run("opcode_census.py", tmp_path)
     requests, per_request = result["requests"], result["opcodes_per_request"]
