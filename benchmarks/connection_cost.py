@@ -35,9 +35,7 @@ from proxy_overhead import (
     start_upstream,
     stop,
 )
-from proxy_overhead import (
-    parse_args as overhead_args,
-)
+from proxy_overhead import parse_args as overhead_args
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _BODY = b'{"model":"m","prompt":"hi","max_tokens":4,"stream":true}'
