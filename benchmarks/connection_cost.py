@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import socket
 import sys
 import tempfile
@@ -26,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy_overhead import (
+    CLK_TCK,
+    DEFAULT_NGINX,
     HERE,
     Server,
     median,
@@ -37,7 +37,6 @@ from proxy_overhead import (
 )
 from proxy_overhead import parse_args as overhead_args
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 _BODY = b'{"model":"m","prompt":"hi","max_tokens":4,"stream":true}'
 _REQUEST = (
     b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
@@ -91,7 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=1500, help="requests each way per round")
     p.add_argument("--chunks", type=int, default=4, help="content chunks per stream")
-    p.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
+    p.add_argument("--nginx", default=DEFAULT_NGINX)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round of 300 requests")
     args = p.parse_args(argv)

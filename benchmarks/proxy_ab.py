@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import threading
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy_overhead import (
+    DEFAULT_NGINX,
     HERE,
     Server,
     cpu_window,
@@ -145,7 +145,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="B: this checkout with these settings; A: this checkout as it is")
     which.add_argument("--same", action="store_true",
                        help="this checkout as A and as B: the method's own resolution")
-    which.add_argument("--nginx", nargs="?", const=shutil.which("nginx") or "/usr/sbin/nginx",
+    which.add_argument("--nginx", nargs="?", const=DEFAULT_NGINX,
                        default=None, metavar="BINARY",
                        help="A: nginx (this binary; default the one on PATH), B: this checkout "
                             "(with --b-variant's settings, if given)")

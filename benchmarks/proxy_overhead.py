@@ -76,6 +76,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PATHS = ("direct", "phasewatch", "nginx")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The nginx the scripts compare with unless told another: the one on PATH, else Debian's.
+DEFAULT_NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 # The roles of a phasewatch process's threads in the CPU split (`Server.thread_ticks`); the
 # native relay's thread carries this name (app/proxy/_native.c).
 THREAD_ROLES = ("event loop", "native relay", "other threads")
@@ -900,7 +902,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="stream_options the clients send (none: phasewatch adds usage "
                         "upstream and strips it, its most expensive path)")
     p.add_argument("--loadgen-procs", type=int, default=1, help="load generator processes")
-    p.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx",
+    p.add_argument("--nginx", default=DEFAULT_NGINX,
                    help="nginx binary (the column is skipped if it is missing)")
     p.add_argument("--workers", type=int, nargs="+", default=[1],
                    help="also run phasewatch with each of these --workers counts (default 1: "
