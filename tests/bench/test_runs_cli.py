@@ -47,7 +47,16 @@ def test_runs_show_prints_the_report_the_bench_printed_and_compare_finds_what_mo
     assert row.rstrip().endswith(" moved"), row
     ratio = float(row.split("|")[1].split()[-1])
     assert ratio > 1.3
-    assert "moved beyond the noise, largest first: prompt_tokens 1024 TTFT p" in compared
+    # The summary lists the moves largest first. On a loaded machine one repeat's decode can
+    # stall (ITL p99 of 7 gaps), so what leads is not fixed; the order and the cut-off are.
+    summary = next(line for line in compared.splitlines()
+                   if line.startswith("moved beyond the noise, largest first: "))
+    listed = [(entry.rsplit(" (x", 1)[0], float(entry.rsplit(" (x", 1)[1].rstrip(")")))
+              for entry in summary.split(": ", 1)[1].split("; ") if " (x" in entry]
+    sizes = [abs(r - 1.0) for _, r in listed]
+    assert listed and sizes == sorted(sizes, reverse=True), summary
+    assert any(name.startswith("prompt_tokens 1024 TTFT p50 ") for name, _ in listed) or (
+        len(listed) == 8 and min(sizes) >= round(ratio, 2) - 1.0), summary
 
     code, _, err = bench.run(capsys, "runs", "show", "no-such-run")
     assert code == 1 and "no run with an id starting 'no-such-run'" in err
