@@ -241,7 +241,10 @@ class Leadership:
     async def _ask(self, question: Callable[[], Coroutine[Any, Any, bool]]) -> bool:
         """The lock's answer; False (logged once per distinct problem) when it cannot say."""
         try:
-            answer = await asyncio.wait_for(question(), STATEMENT_TIMEOUT_S)
+            # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that comes as
+            # the answer does, and the leadership would carry on through its shutdown.
+            async with asyncio.timeout(STATEMENT_TIMEOUT_S):
+                answer = await question()
         except Exception as exc:
             problem = f"{type(exc).__name__}: {str(exc)[:200]}"
             if problem != self._problem:

@@ -88,6 +88,30 @@ async def test_duties_run_in_the_leader_only_and_move_on_when_it_stops(tmp_path:
     assert running["b"] == 0
 
 
+async def test_a_stop_that_comes_as_the_lock_answers_is_not_lost(tmp_path: Path) -> None:
+    # Shutting down cancels the leadership; the cancellation can come in the same turn of the
+    # loop as the lock's answer (a worker whose sibling just exited and freed the lock). It
+    # must stop the leadership, not be swallowed by the wait on the answer: a leadership that
+    # carries on, and takes up the duties, holds the process's shutdown forever.
+    running: list[str] = []
+
+    async def duty() -> None:
+        running.append("duty")
+        await asyncio.Event().wait()
+
+    class StopAsItAnswers(FileLock):
+        async def try_acquire(self) -> bool:
+            asyncio.get_running_loop().call_soon(task.cancel)
+            return await super().try_acquire()
+
+    leadership = Leadership(StopAsItAnswers(tmp_path / "pw.db.leader"), {"work": duty}, CHECK_S)
+    task = asyncio.create_task(leadership.run())
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert done == {task} and task.cancelled()
+    assert leadership.role is Role.STOPPED
+    assert await FileLock(tmp_path / "pw.db.leader").try_acquire()  # it let go of the lock
+
+
 def test_a_role_moves_only_as_the_table_allows() -> None:
     leadership = Leadership(OwnLock(), {}, CHECK_S)
     leadership._move(Role.STOPPED)
