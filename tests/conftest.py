@@ -69,8 +69,11 @@ class Proxy:
 @pytest.fixture(scope="session")
 def scripted_url() -> Iterator[str]:
     port = free_port()
+    # A proxy's pool may still hold a kept-alive connection when the session ends: uvicorn
+    # would wait for it to close.
     args = ["-m", "uvicorn", "tests.support.scripted_upstream:app", "--port", str(port),
-            "--log-level", "critical", "--loop", "uvloop", "--http", "httptools"]
+            "--log-level", "critical", "--loop", "uvloop", "--http", "httptools",
+            "--timeout-graceful-shutdown", "1"]
     with subprocess_server(args, f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 

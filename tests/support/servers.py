@@ -7,12 +7,15 @@ event loop off the test's GIL, which matters where a test compares timings to mi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -105,9 +108,12 @@ def subprocess_server(
     args: Sequence[str], health_url: str, env: dict[str, str] | None = None, timeout: float = 30.0,
     python: str = sys.executable, cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `python args...` in a subprocess until `health_url` answers; stop it afterwards."""
+    """Run `python args...` in a subprocess until `health_url` answers; stop it afterwards
+    with SIGTERM, as an orchestrator would. One that has not exited 10 s later is killed with
+    every process it started (its own process group: `phasewatch serve --workers N`'s
+    workers too), so none outlives the test to load the ones after it; and a warning says so."""
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen([python, *args], env=full_env, cwd=cwd)
+    proc = subprocess.Popen([python, *args], env=full_env, cwd=cwd, start_new_session=True)
     try:
         wait_http(health_url, timeout=timeout, proc=proc)
         yield proc
@@ -116,5 +122,8 @@ def subprocess_server(
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            warnings.warn(f"{' '.join(args)} did not exit within 10 s of SIGTERM: killed",
+                          stacklevel=1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
