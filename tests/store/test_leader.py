@@ -93,10 +93,7 @@ async def test_a_stop_that_comes_as_the_lock_answers_is_not_lost(tmp_path: Path)
     # loop as the lock's answer (a worker whose sibling just exited and freed the lock). It
     # must stop the leadership, not be swallowed by the wait on the answer: a leadership that
     # carries on, and takes up the duties, holds the process's shutdown forever.
-    running: list[str] = []
-
     async def duty() -> None:
-        running.append("duty")
         await asyncio.Event().wait()
 
     class StopAsItAnswers(FileLock):

@@ -7,7 +7,6 @@ event loop off the test's GIL, which matters where a test compares timings to mi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
@@ -17,7 +16,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -124,6 +123,6 @@ def subprocess_server(
         except subprocess.TimeoutExpired:
             warnings.warn(f"{' '.join(args)} did not exit within 10 s of SIGTERM: killed",
                           stacklevel=1)
-            with contextlib.suppress(ProcessLookupError):
+            with suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
