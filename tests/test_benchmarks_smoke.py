@@ -105,3 +105,13 @@ def test_read_path_quick() -> None:
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
     assert set(lines) == {"pass-through", "phasewatch"}
     assert "us per read" in lines["phasewatch"] and "x pass-through" in lines["phasewatch"]
+
+
+def test_loop_segments_quick(tmp_path: Path) -> None:
+    result = run("loop_segments.py", tmp_path)
+    requests, per_request = result["requests"], result["us_per_request"]
+    assert isinstance(requests, list) and requests[0] > 0
+    assert isinstance(per_request, dict) and per_request["loop"][0] > 0
+    # The wrappers reached the request's every step, in the served process.
+    for segment in ("intake", "request out", "ending", "  finish", "native return"):
+        assert per_request[segment][0] > 0, segment
