@@ -115,8 +115,8 @@ if _out:
                 _add(self.name[1], ns)
 
     def _async(name, fn, steps=False):
-        def wrapped(*args, **kwargs):
-            return _Steps(name, fn(*args, **kwargs), steps)
+        async def wrapped(*args, **kwargs):  # a coroutine still: create_task() takes it too
+            return await _Steps(name, fn(*args, **kwargs), steps)
         wrapped.__wrapped__ = fn
         return wrapped
 
