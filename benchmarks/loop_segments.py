@@ -120,24 +120,17 @@ if _out:
         wrapped.__wrapped__ = fn
         return wrapped
 
-    def _patch(owner, attr, make):
-        setattr(owner, attr, make(getattr(owner, attr)))
-
     def _install():
         import phasewatch.main as main
         from phasewatch.proxy import client_leg, native, relay, upstream_pool, live
         from phasewatch.store import live_publisher, writer
         from phasewatch.diagnosis import service
         from phasewatch.engine import scraper
-        top = {
+        plain = {  # the top-level segments, then the calls nested in them (indented)
             (client_leg.PhasewatchHttpProtocol, "data_received"): "intake",
             (native.NativeRelay, "_returned"): "native return",
             (upstream_pool.UpstreamConnection, "data_received"): "upstream reads in Python",
             (live.LiveStreams, "check"): "duty: live pass",
-        }
-        for (owner, attr), name in top.items():
-            _patch(owner, attr, lambda fn, name=name: _sync(name, fn))
-        nested = {
             (relay, "read_body"): "  read_body",
             (relay, "plan_request"): "  plan_request",
             (relay, "RequestRecord"): "  RequestRecord",
@@ -146,18 +139,18 @@ if _out:
             (relay.Exchange, "_start_native_at_head"): "  the native leg's start",
             (relay, "finish"): "  finish",
         }
-        for (owner, attr), name in nested.items():
-            _patch(owner, attr, lambda fn, name=name: _sync(name, fn))
-        main.relay = _async(("request out", "relay, middle steps", "ending"), main.relay, True)
-        duties = {
+        coroutines = {
             (live.LiveStreams, "refresh"): "duty: live pass",
             (live_publisher.LivePublisher, "publish"): "duty: live snapshot",
             (writer.RecordWriter, "_write"): "duty: record writer",
             (service.DiagnosisService, "evaluate_all"): "duty: diagnosis round",
             (scraper.EngineScraper, "scrape"): "duty: engine scrape",
         }
-        for (owner, attr), name in duties.items():
-            _patch(owner, attr, lambda fn, name=name: _async(name, fn))
+        for (owner, attr), name in plain.items():
+            setattr(owner, attr, _sync(name, getattr(owner, attr)))
+        for (owner, attr), name in coroutines.items():
+            setattr(owner, attr, _async(name, getattr(owner, attr)))
+        main.relay = _async(("request out", "relay, middle steps", "ending"), main.relay, True)
 
     def _loop_cpu_ns():
         with open(f"/proc/self/task/{os.getpid()}/stat") as f:
