@@ -57,7 +57,7 @@ from phasewatch.engine.metrics import EngineScrapeMetrics
 from phasewatch.engine.scraper import EngineScraper
 from phasewatch.otel import check_otel
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
-from phasewatch.proxy.client_leg import SHUTDOWN_HOOK
+from phasewatch.proxy.client_leg import ENDED_HOOK, SHUTDOWN_HOOK
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveGauges, LiveStreams
@@ -231,7 +231,10 @@ def create_app(
         try:
             # The server protocol starts the drain when uvicorn starts shutting down, however
             # the signal reached it (app/proxy/client_leg.py).
-            yield {SHUTDOWN_HOOK: shutdown.begin}
+            state: dict[str, Any] = {SHUTDOWN_HOOK: shutdown.begin}
+            if app.state.proxy.native is not None:
+                state[ENDED_HOOK] = app.state.proxy.native.take_ended
+            yield state
         finally:
             shutdown.uninstall()
             exposition.before_render = None

@@ -10,8 +10,12 @@
  * epoll loop, one read and one send per read, no Python. It also takes the stream's tail as
  * the Python path forwards it: the terminal chunk (a `finish_reason` set; its running usage cut
  * too), the closing usage chunk (cut when the client did not ask for it), `[DONE]`, and the
- * body's last chunk; the stream then comes back once, ended (END_BODY), with that last read's
- * output unsent, for Python to write with the client's last chunk. Anything else (the role
+ * body's last chunk, and writes the response's end (the 0-size chunk) with that last read's
+ * output; the stream then comes back once, ended (END_BODY, `end_written`), for Python to
+ * complete its exchange (the record, the server's cycle). Such an ending is published without
+ * a wake-up of the event loop: Python takes it on its next wake-up for anything else (each
+ * read of a client's bytes, each pass of the live registry: `ended()`), or the thread wakes it
+ * `QUIET_NS` later at most. Anything else (the role
  * chunk before, an error, a chunk it cannot read plainly, anything after `[DONE]`, a body that
  * ends before it, a broken socket, the relay asking) hands the stream back to Python with the
  * bytes it has not taken, and Python goes on from exactly there: every byte and every timing
@@ -42,7 +46,8 @@
  * as in the Python path, and `blocked_since` says since when.
  *
  * Python talks to the thread through one mutex and two eventfds: `wake` (Python -> thread: a
- * stream to stop) and `notify` (thread -> Python, read by the event loop: streams handed back).
+ * stream to stop) and `notify` (thread -> Python, read by the event loop: streams handed back;
+ * at once, but for the quiet endings above).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -85,6 +90,7 @@ typedef struct {
     Stream *done;     /* handed back, waiting for `finished()` (under lock) */
     Stream *retired;  /* handed back in the current epoll batch (the thread's own) */
     int closing;
+    int64_t quiet_since; /* (thread) the oldest stream published without a wake (0: none) */
 } Relay;
 
 struct Stream {
@@ -99,6 +105,7 @@ struct Stream {
     int err;                  /* errno of a broken socket */
     int blocked;              /* waiting for the client to take `out` */
     int hold;                 /* hold a terminal chunk until a whole chunk follows it */
+    int end_written;          /* END_BODY: the response's end went into `out` (see `unsent`) */
     Py_ssize_t held;          /* bytes at the front of `in` held so (0: none) */
     int64_t held_ns;          /* the time of the read that completed the held chunk */
     int64_t last_completion;  /* the running count of the last event logged (-1: none) */
@@ -400,15 +407,38 @@ static void hand_back(Relay *r, Stream *s, int ending) {
 
 static void publish(Relay *r) {
     if (r->retired == NULL) return;
+    int urgent = 0;
     pthread_mutex_lock(&r->lock);
     while (r->retired != NULL) {
         Stream *s = r->retired;
         r->retired = s->next;
         s->next = r->done;
         r->done = s;
+        /* Quiet: ended, the response's end written and taken by the client's socket. */
+        if (!(s->ending == END_BODY && s->end_written && s->out_len == 0)) urgent = 1;
     }
     pthread_mutex_unlock(&r->lock);
-    wake(r->notify_fd);
+    if (urgent) { wake(r->notify_fd); r->quiet_since = 0; }
+    else if (r->quiet_since == 0) r->quiet_since = now_ns();
+}
+
+/* A stream that ended with its response's end written waits at most this long for the event
+ * loop to take it (`ended()`, on its own wake-ups) before the thread wakes it (`notify`). The
+ * client has its whole response; what waits is its record, its last figures and the server's
+ * cycle (a request after it on the same connection takes it first, client_leg.py). */
+#define QUIET_NS (20 * 1000000LL)
+
+static int quiet_timeout_ms(Relay *r) {
+    if (r->quiet_since == 0) return -1;
+    int64_t left = r->quiet_since + QUIET_NS - now_ns();
+    if (left > 0) return (int)((left + 999999) / 1000000);
+    int waiting;
+    pthread_mutex_lock(&r->lock);
+    waiting = r->done != NULL;
+    pthread_mutex_unlock(&r->lock);
+    r->quiet_since = 0;
+    if (waiting) wake(r->notify_fd);
+    return -1;
 }
 
 /* Send what is waiting for the client; 0 all sent, 1 blocked, -1 the client's socket broke. */
@@ -739,12 +769,15 @@ static void upstream_ready(Relay *r, Stream *s) {
         s->err = errno;
         ending = END_UPSTREAM_ERROR;
     }
-    /* At the body's end, this read's output goes out with the client's last chunk (Python). */
-    int sent = ending == END_BODY ? 0 : flush(s);
+    /* At the body's end, this read's output goes out with the response's end (the 0-size
+     * chunk), here; or, without the memory for it, from Python. */
+    int sent = 0;
+    if (ending == END_BODY && out_chunk(s, "", 0, NULL, 0) == 0) s->end_written = 1;
+    if (ending != END_BODY || s->end_written) sent = flush(s);
     pthread_mutex_lock(&r->lock);
     if (sent < 0) {
         hand_back(r, s, END_CLIENT_ERROR);
-    } else if (ending != END_NONE) {
+    } else if (ending != END_NONE) {  /* at the end, what the client did not take is `unsent` */
         hand_back(r, s, ending);
     } else if (sent == 1) {
         s->blocked_since_ns = now;
@@ -770,7 +803,7 @@ static void *run(void *arg) {
     Relay *r = arg;
     struct epoll_event evs[MAX_EVENTS];
     for (;;) {
-        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, -1);
+        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, quiet_timeout_ms(r));
         if (n < 0) {
             if (errno == EINTR) continue;
             break;
@@ -800,6 +833,7 @@ static void *run(void *arg) {
             else if (!s->blocked) upstream_ready(r, s);
         }
         publish(r);
+        if (r->quiet_since) quiet_timeout_ms(r);
     }
     return NULL;
 }
@@ -892,6 +926,8 @@ static PyMemberDef Stream_members[] = {
     {"errno", T_INT, offsetof(Stream, err), READONLY, "errno of a broken socket"},
     {"leftover_ns", T_LONGLONG, offsetof(Stream, leftover_ns), READONLY,
      "time of the read the leftover (after `held`) came in"},
+    {"end_written", T_INT, offsetof(Stream, end_written), READONLY,
+     "(ENDED) the response's end went out with the rest, but for what `unsent` holds"},
     {"held", T_PYSSIZET, offsetof(Stream, held), READONLY,
      "bytes at the leftover's front held as a terminal chunk (0: none)"},
     {"held_ns", T_LONGLONG, offsetof(Stream, held_ns), READONLY,
@@ -1057,11 +1093,24 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
     return (PyObject *)s;
 }
 
+static PyObject *take_done(Relay *r);
+
 static PyObject *Relay_finished(Relay *r, PyObject *Py_UNUSED(ignored)) {
-    /* The streams handed back since the last call, in no particular order. */
+    /* The streams handed back since the last call, in no particular order; the notification
+     * read (the event loop calls this when `fileno()` is readable). */
     uint64_t v;
     ssize_t rd = read(r->notify_fd, &v, sizeof v);
     (void)rd;
+    return take_done(r);
+}
+
+static PyObject *Relay_ended(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    /* As `finished()`, without reading the notification: for the event loop's own wake-ups,
+     * which take the streams that ended quietly (their response's end written). */
+    return take_done(r);
+}
+
+static PyObject *take_done(Relay *r) {
     pthread_mutex_lock(&r->lock);
     Stream *s = r->done;
     r->done = NULL;
@@ -1114,6 +1163,7 @@ static PyObject *Relay_close(Relay *r, PyObject *Py_UNUSED(ignored)) {
 static PyMethodDef Relay_methods[] = {
     {"start", (PyCFunction)Relay_start, METH_VARARGS, NULL},
     {"finished", (PyCFunction)Relay_finished, METH_NOARGS, NULL},
+    {"ended", (PyCFunction)Relay_ended, METH_NOARGS, NULL},
     {"due", (PyCFunction)Relay_due, METH_VARARGS, NULL},
     {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS, NULL},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},

@@ -49,6 +49,10 @@ from phasewatch.proxy.native import plain_fd
 CLIENT_LEG = "phasewatch.client_leg"
 # The lifespan state key under which the app offers its shutdown's `begin` (shutdown.py).
 SHUTDOWN_HOOK = "phasewatch.shutdown"
+# The lifespan state key under which the app offers the native leg's `take_ended` (native.py):
+# each read of a client's bytes first takes back the streams that ended quietly, so that a
+# request after a response's end finds that response complete and its record finished.
+ENDED_HOOK = "phasewatch.native_ended"
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +180,20 @@ class ClientLeg:
             transport.write(data)
             return
         transport.write(data + b"0\r\n\r\n")
+        self._complete(cycle, transport)
+
+    def end_written(self, unsent: bytes) -> None:
+        """The native leg wrote the response's end, all but `unsent` (framed bytes its last
+        send left, written here): the response is complete, as `write_chunks` with `last`
+        leaves it, and nothing more is written to it."""
+        transport, cycle = self.transport, self._cycle
+        if transport is not None and cycle is not None:
+            if unsent:
+                transport.write(unsent)
+            self._complete(cycle, transport)
+
+    @staticmethod
+    def _complete(cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
         cycle.response_complete = True
         cycle.message_event.set()
         if not cycle.keep_alive:
@@ -202,12 +220,14 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     _plain_fd: int | None = None
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
+    _take_ended: Callable[[], None] | None = None
     _refused = 0  # (class-wide) connections refused so far
     _refusals_logged_at = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._plain_fd = plain_fd(transport)
+        self._take_ended = self.app_state.get(ENDED_HOOK)
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) >= limit:
             # Out of the count at once (not when the close completes), so that uvicorn's own
@@ -229,6 +249,8 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         if self._refusing:
             return  # answered 503 already; its request is not read
         self._read_ns = perf_counter_ns()
+        if self._take_ended is not None:
+            self._take_ended()
         super().data_received(data)
 
     def on_message_begin(self) -> None:

@@ -4,9 +4,15 @@ A stream whose tokens are counted exactly (timing.py) spends nearly all its read
 token chunks. Once one has been relayed and Python's reading of the stream is at a chunk
 boundary with nothing held, the relay hands both sockets to the native thread (`_native.c`):
 it relays and stamps those chunks with no Python per read, and the stream's tail too (the
-terminal chunk, the closing usage chunk, `[DONE]`, the body's last chunk), so that a stream
-usually comes back once, ended (`Ending.ENDED`): Python then writes the last read's output
-with the client's last chunk and finishes the record. It comes back earlier at the first
+terminal chunk, the closing usage chunk, `[DONE]`, the body's last chunk) and writes the
+response's end, so that a stream usually comes back once, ended (`Ending.ENDED`,
+`end_written`), the client having its whole response: Python then completes the server's cycle
+and finishes the record. The thread does not wake the event loop for such an ending: the loop
+takes it on its next wake-up for anything else (`take_ended`: each read of a client's bytes,
+before anything else is done with them, and each pass of the live registry, before a render of
+`/metrics` or a snapshot), or the thread wakes it `QUIET_NS` (20 ms) later at most. So a
+request or a scrape that follows a response's end finds its record and figures, and a
+pipelined request (rare) waits at most that long. It comes back earlier at the first
 chunk it does not take plainly (the role chunk, an error, anything after `[DONE]`), at a body
 that ends before `[DONE]`, at a broken socket, or when the relay asks (the client left, an
 idle or stall timeout, shutdown); Python then goes on from that exact byte
@@ -73,7 +79,7 @@ class Ending(IntEnum):
     UPSTREAM_EOF = 3  # the upstream closed its side
     UPSTREAM_ERROR = 4  # reading the upstream failed (`errno`)
     CLIENT_ERROR = 5  # writing to the client failed: it is gone
-    ENDED = 6  # the body ended cleanly after [DONE] (its last read's output not yet written)
+    ENDED = 6  # the body ended cleanly after [DONE], and the response's end was written
 
 
 class Stream(Protocol):
@@ -88,6 +94,7 @@ class Stream(Protocol):
     held_ns: int
     unsent: bytes
     done_ns: int  # the time of the read that brought [DONE] (0: it has not come)
+    end_written: int  # (ENDED) the response's end went out too, but for what `unsent` holds
     head: bytes | None  # (started at the head) the upstream's head, once the thread took it
     head_ns: int  # the time of the read that completed it
 
@@ -137,7 +144,15 @@ class NativeRelay:
         return owners
 
     def _returned(self) -> None:
-        for stream in self._relay.finished():
+        self._hand_back(self._relay.finished())
+
+    def take_ended(self) -> None:
+        """Take back the streams that ended with their response's end written: the thread
+        tells of those on the event loop's next wake-up (this call) or within `QUIET_NS`."""
+        self._hand_back(self._relay.ended())
+
+    def _hand_back(self, streams: list[Stream]) -> None:
+        for stream in streams:
             owner, stream.owner = stream.owner, None
             try:
                 owner.native_returned(stream)

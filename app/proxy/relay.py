@@ -509,11 +509,17 @@ class Exchange:
             self._timing.end_ns = done_ns
         ending = stream.ending
         if ending == Ending.ENDED and conn is not None:
-            # The body ended cleanly in the native leg's last read. What that read brought goes
-            # out with the client's last chunk, in one write, when the upstream's parser hears
-            # the end the native leg read for it (`on_end`, then `on_read_end`).
+            # The body ended cleanly in the native leg's last read. The thread wrote what that
+            # read brought and the response's end (`end_written`): the response is complete,
+            # but for what the client's socket did not take, which goes out first. (Without
+            # the end, what that read brought goes out with it, in one write, below.) Then the
+            # upstream's parser hears the end the native leg read for it (`on_end`, and
+            # `on_read_end`, which has nothing left to write once the response is complete).
             conn.resume_reading()  # for its next response: it goes back to the pool
-            self._prefix = stream.unsent
+            if stream.end_written and leg is not None:
+                leg.end_written(stream.unsent)
+            else:
+                self._prefix = stream.unsent
             conn.take(_LAST_CHUNK, stream.leftover_ns)
             self._wake_up()
             return

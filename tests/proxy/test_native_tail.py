@@ -2,16 +2,20 @@
 
 After the running token chunks the thread also relays what ends a stream, as the Python path
 does: the terminal chunk (held for the usage chunk's fingerprint when that chunk is cut), the
-usage chunk, `[DONE]` and the body's last chunk. The stream then comes back once, ended
-(`Ending.ENDED`), with the last read's output for Python to write with the client's last
-chunk. Here each case's bytes are compared with what `StreamFeed` forwards for the same events,
-and anything the thread must not take plainly comes back to Python at that chunk's first byte.
+usage chunk, `[DONE]` and the body's last chunk, with the response's end. The stream then
+comes back once, ended (`Ending.ENDED`, `end_written`), without waking the event loop, which
+takes it on its own next wake-up (`ended()`) or is woken 20 ms later. Here each case's bytes
+are compared with what `StreamFeed` forwards for the same events, and anything the thread
+must not take plainly comes back to Python at that chunk's first byte.
 (tests/proxy/test_native_relay.py holds whole exchanges through two proxies alike.)
 """
 
 from __future__ import annotations
 
 import array
+import select
+import socket
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -130,9 +134,10 @@ def test_a_tail_read_at_once_ends_the_stream_in_the_thread(relay: Any, ask: str)
         assert stream.ending == Ending.ENDED
         assert stream.leftover == b"" and stream.held == 0
         assert stream.done_ns > 0
-        # The last read's output is left for Python to write with the client's last chunk.
-        assert _unframed(stream.unsent).endswith(DONE)
-        got = _unframed(pair.received) + _unframed(stream.unsent)
+        # The last read's output went out with the response's end.
+        assert stream.end_written and stream.unsent == b""
+        assert pair.received.endswith(_frame(DONE) + END)
+        got = _unframed(pair.received)
         assert got == _python_path(ask, TOKENS + tail)
         if ask == "usage-cut":
             assert b'"finish_reason":"length"}],"system_fingerprint":"fp_1"}' in got
@@ -210,5 +215,51 @@ def test_the_thread_counts_as_the_python_path_times(relay: Any) -> None:
         timing.exact_events(array.array("q", stream.poll()[0]))
         assert timing.tokens_seen == 6 and timing.completion_tokens == 6
         assert timing.prompt_tokens == 7 and timing.gaps.count == 5
+    finally:
+        pair.close()
+
+
+def test_a_clean_end_waits_for_the_event_loops_own_wake_up(relay: Any) -> None:
+    pair = Pair(relay, "usage-cut")
+    try:
+        pair.send(_frame(TOKENS[0]))
+        pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
+        pair.relayed(END)  # the client has its whole response
+        deadline = time.monotonic() + 10
+        taken: list[Any] = []
+        while not taken and time.monotonic() < deadline:  # published after the thread's batch
+            taken = relay.ended()
+        assert taken == [pair.stream] and pair.stream.ending == Ending.ENDED
+        # Taken before the thread's deadline for it (20 ms): no notification follows.
+        ready, _, _ = select.select([relay.fileno()], [], [], 0.1)
+        assert ready == []
+    finally:
+        pair.close()
+
+
+def test_an_end_the_client_does_not_take_goes_back_at_once_with_the_rest(relay: Any) -> None:
+    pair = Pair(relay, "usage-cut")
+    pair.client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    pair.remote.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        terminal = _chunk("x" * 60_000, 3, finish="stop")  # more than the client's buffers hold
+        pair.send(_frame(TOKENS[0]))
+        pair.send(_frame(terminal), _frame(_usage(3)), _frame(DONE), END)
+        ready, _, _ = select.select([relay.fileno()], [], [], 10)  # notified, not quiet
+        assert ready, "the stream did not come back"
+        assert relay.finished() == [pair.stream]
+        stream = pair.stream
+        assert stream.ending == Ending.ENDED and stream.end_written
+        assert stream.unsent.endswith(_frame(DONE) + END)  # the rest, for Python to write
+        pair.wait_for(lambda got: len(got) > 0)
+        pair.remote.setblocking(False)
+        while True:  # the client reads what the thread sent
+            try:
+                data = pair.remote.recv(65536)
+            except BlockingIOError:
+                break
+            pair.received += data
+        got = _unframed(pair.received + stream.unsent)
+        assert got == _python_path("usage-cut", [TOKENS[0], terminal, _usage(3), DONE])
     finally:
         pair.close()
