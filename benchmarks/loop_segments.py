@@ -14,8 +14,11 @@ that ended in the window. The segments are disjoint and all on the event loop's 
   start (with, nested in it and listed under it, the calls named there);
 - `relay, middle steps` and `ending`: the coroutine's later steps; the last one finishes the
   record (`finish`, nested);
-- `native return`: the native leg handing streams back (`NativeRelay._returned`), with the
-  response's head parsed in Python, the client's last write and the cycle's completion;
+- `native return`: the native leg handing streams back (`NativeRelay._hand_back`), with the
+  response's head parsed in Python and the cycle's completion: on its own wake-up, or taken
+  as a client's bytes are read or on a live pass (a quiet ending, native.py), and then not
+  counted in `intake` or the pass as well (a top-level segment run inside another is counted
+  in itself alone);
 - `upstream reads in Python`: reads of streams the native leg does not hold;
 - each periodic duty: the live registry's pass, the live snapshot, the record writer's
   batches, the diagnosis round, the engine scrape;
@@ -69,13 +72,32 @@ if _out:
             entry[0] += ns
             entry[1] += 1
 
+    # The CPU of top-level segments run inside the running one (a quiet ending taken as a
+    # client's bytes are read): counted there, and not in the one around it as well.
+    _inner = []
+
+    def _top(name, ns):
+        inner = _inner.pop()
+        _add(name, ns - inner)
+        if _inner:
+            _inner[-1] += ns
+
     def _sync(name, fn):
-        def wrapped(*args, **kwargs):
-            start = thread_time_ns()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _add(name, thread_time_ns() - start)
+        if name.startswith(" "):  # nested: counted in its segment as well
+            def wrapped(*args, **kwargs):
+                start = thread_time_ns()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _add(name, thread_time_ns() - start)
+        else:
+            def wrapped(*args, **kwargs):
+                _inner.append(0)
+                start = thread_time_ns()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _top(name, thread_time_ns() - start)
         wrapped.__wrapped__ = fn
         return wrapped
 
@@ -88,6 +110,7 @@ if _out:
         def __await__(self):
             coro, value, error, step = self.coro, None, None, 0
             while True:
+                _inner.append(0)
                 start = thread_time_ns()
                 try:
                     out = coro.throw(error) if error is not None else coro.send(value)
@@ -106,13 +129,13 @@ if _out:
 
         def _count(self, step, ns, last):
             if not self.steps:
-                _add(self.name, ns)
+                _top(self.name, ns)
             elif step == 0:
-                _add(self.name[0], ns)
+                _top(self.name[0], ns)
             elif last:
-                _add(self.name[2], ns)
+                _top(self.name[2], ns)
             else:
-                _add(self.name[1], ns)
+                _top(self.name[1], ns)
 
     def _async(name, fn, steps=False):
         async def wrapped(*args, **kwargs):  # a coroutine still: create_task() takes it too
@@ -128,7 +151,7 @@ if _out:
         from phasewatch.engine import scraper
         plain = {  # the top-level segments, then the calls nested in them (indented)
             (client_leg.PhasewatchHttpProtocol, "data_received"): "intake",
-            (native.NativeRelay, "_returned"): "native return",
+            (native.NativeRelay, "_hand_back"): "native return",
             (upstream_pool.UpstreamConnection, "data_received"): "upstream reads in Python",
             (live.LiveStreams, "check"): "duty: live pass",
             (relay, "read_body"): "  read_body",
