@@ -15,7 +15,8 @@
  * complete its exchange (the record, the server's cycle). Such an ending is published without
  * a wake-up of the event loop: Python takes it on its next wake-up for anything else (each
  * read of a client's bytes, each pass of the live registry: `ended()`), or the thread wakes it
- * `QUIET_NS` later at most. Anything else (the role
+ * `QUIET_NS` later at most; at once when a request is queued behind it on its client's
+ * connection (`urge`). Anything else (the role
  * chunk before, an error, a chunk it cannot read plainly, anything after `[DONE]`, a body that
  * ends before it, a broken socket, the relay asking) hands the stream back to Python with the
  * bytes it has not taken, and Python goes on from exactly there: every byte and every timing
@@ -91,6 +92,7 @@ typedef struct {
     Stream *retired;  /* handed back in the current epoll batch (the thread's own) */
     int closing;
     int64_t quiet_since; /* (thread) the oldest stream published without a wake (0: none) */
+    int64_t quiet_ns;    /* how long such a stream waits at most (`QUIET_NS` unless told) */
 } Relay;
 
 struct Stream {
@@ -101,6 +103,7 @@ struct Stream {
     int up, client;           /* duplicated descriptors (-1 once closed) */
     int strip;                /* cut the running usage */
     int stop_asked;           /* under lock */
+    int urgent;               /* under lock: its end is published with a wake-up (`urge`) */
     int ending;               /* END_*; set by the thread when it hands the stream back */
     int err;                  /* errno of a broken socket */
     int blocked;              /* waiting for the client to take `out` */
@@ -414,8 +417,10 @@ static void publish(Relay *r) {
         r->retired = s->next;
         s->next = r->done;
         r->done = s;
-        /* Quiet: ended, the response's end written and taken by the client's socket. */
-        if (!(s->ending == END_BODY && s->end_written && s->out_len == 0)) urgent = 1;
+        /* Quiet: ended, the response's end written and taken by the client's socket, and no
+         * request waiting behind it (`urge`). */
+        if (!(s->ending == END_BODY && s->end_written && s->out_len == 0 && !s->urgent))
+            urgent = 1;
     }
     pthread_mutex_unlock(&r->lock);
     if (urgent) { wake(r->notify_fd); r->quiet_since = 0; }
@@ -425,12 +430,13 @@ static void publish(Relay *r) {
 /* A stream that ended with its response's end written waits at most this long for the event
  * loop to take it (`ended()`, on its own wake-ups) before the thread wakes it (`notify`). The
  * client has its whole response; what waits is its record, its last figures and the server's
- * cycle (a request after it on the same connection takes it first, client_leg.py). */
+ * cycle (a request after it on the same connection takes it first, client_leg.py; one already
+ * queued behind it, pipelined, asks for a wake-up: `urge`). */
 #define QUIET_NS (20 * 1000000LL)
 
 static int quiet_timeout_ms(Relay *r) {
     if (r->quiet_since == 0) return -1;
-    int64_t left = r->quiet_since + QUIET_NS - now_ns();
+    int64_t left = r->quiet_since + r->quiet_ns - now_ns();
     if (left > 0) return (int)((left + 999999) / 1000000);
     int waiting;
     pthread_mutex_lock(&r->lock);
@@ -833,7 +839,6 @@ static void *run(void *arg) {
             else if (!s->blocked) upstream_ready(r, s);
         }
         publish(r);
-        if (r->quiet_since) quiet_timeout_ms(r);
     }
     return NULL;
 }
@@ -877,6 +882,19 @@ static PyObject *Stream_clocks(Stream *s, PyObject *Py_UNUSED(ignored)) {
     blocked = s->blocked_since_ns;
     pthread_mutex_unlock(&r->lock);
     return Py_BuildValue("(LL)", (long long)last, (long long)blocked);
+}
+
+static PyObject *Stream_urge(Stream *s, PyObject *Py_UNUSED(ignored)) {
+    /* A request waits behind this stream's response on its client's connection: its end is
+     * published with a wake-up of the event loop, not quietly; if it was already, the event
+     * loop is woken now to take it. */
+    Relay *r = s->relay;
+    pthread_mutex_lock(&r->lock);
+    s->urgent = 1;
+    int ended = s->ending != END_NONE;
+    pthread_mutex_unlock(&r->lock);
+    if (ended) wake(r->notify_fd);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Stream_stop(Stream *s, PyObject *Py_UNUSED(ignored)) {
@@ -949,6 +967,7 @@ static PyMethodDef Stream_methods[] = {
     {"poll", (PyCFunction)Stream_poll, METH_NOARGS, NULL},
     {"clocks", (PyCFunction)Stream_clocks, METH_NOARGS, NULL},
     {"stop", (PyCFunction)Stream_stop, METH_NOARGS, NULL},
+    {"urge", (PyCFunction)Stream_urge, METH_NOARGS, NULL},
     {NULL},
 };
 
@@ -966,9 +985,18 @@ static PyTypeObject StreamType = {
 /* -- Python: Relay ------------------------------------------------------------------------- */
 
 static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    if (!PyArg_ParseTuple(args, "")) return NULL;
+    /* Relay(quiet_ms=20): how long a stream that ended quietly waits for the event loop's own
+     * wake-up at most (tests lengthen it, to tell a wake-up asked for from this one). */
+    static char *names[] = {"quiet_ms", NULL};
+    long long quiet_ms = QUIET_NS / 1000000;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|L", names, &quiet_ms)) return NULL;
+    if (quiet_ms < 0) {
+        PyErr_SetString(PyExc_ValueError, "quiet_ms must not be negative");
+        return NULL;
+    }
     Relay *r = (Relay *)type->tp_alloc(type, 0);
     if (r == NULL) return NULL;
+    r->quiet_ns = (int64_t)quiet_ms * 1000000;
     r->epfd = r->wake_fd = r->notify_fd = -1;
     pthread_mutex_init(&r->lock, NULL);
     r->epfd = epoll_create1(EPOLL_CLOEXEC);

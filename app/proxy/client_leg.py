@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "arrival_ns", "on_disconnect", "on_pause", "on_resume", "plain_fd")
+    __slots__ = ("_cycle", "arrival_ns", "followed", "on_disconnect", "on_followed", "on_pause",
+                 "on_resume", "plain_fd")
 
     def __init__(self, arrival_ns: int, plain_fd: int | None = None) -> None:
         self.arrival_ns = arrival_ns
@@ -71,6 +72,17 @@ class ClientLeg:
         self.on_resume: Callable[[], None] | None = None
         # Set by the relay for the whole exchange: called once if the client disconnects.
         self.on_disconnect: Callable[[], None] | None = None
+        # A request is queued behind this one on its connection (pipelined): it starts when
+        # this response's cycle completes. `on_followed` (set by the relay while the native
+        # leg holds the stream) is called when that becomes true.
+        self.followed = False
+        self.on_followed: Callable[[], None] | None = None
+
+    def queued_behind(self) -> None:
+        """The server queued a request behind this one (`PhasewatchHttpProtocol`)."""
+        self.followed = True
+        if self.on_followed is not None:
+            self.on_followed()
 
     @property
     def gone(self) -> bool:
@@ -255,6 +267,11 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        ahead, cycle = self._leg, self.cycle
+        if ahead is not None and cycle is not None and not cycle.response_complete:
+            # Pipelined: this request waits for the one ahead's cycle to complete (uvicorn
+            # queues it), so that one's end must not wait for the event loop's next wake-up.
+            ahead.queued_behind()
         self._leg = ClientLeg(self._read_ns, self._plain_fd)
         # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
         self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]

@@ -11,8 +11,9 @@ and finishes the record. The thread does not wake the event loop for such an end
 takes it on its next wake-up for anything else (`take_ended`: each read of a client's bytes,
 before anything else is done with them, and each pass of the live registry, before a render of
 `/metrics` or a snapshot), or the thread wakes it `QUIET_NS` (20 ms) later at most. So a
-request or a scrape that follows a response's end finds its record and figures, and a
-pipelined request (rare) waits at most that long. It comes back earlier at the first
+request or a scrape that follows a response's end finds its record and figures. A pipelined
+request (one the server queued behind the response, client_leg.py) has the stream `urge`d: its
+end then comes back with a wake-up at once. It comes back earlier at the first
 chunk it does not take plainly (the role chunk, an error, anything after `[DONE]`), at a body
 that ends before `[DONE]`, at a broken socket, or when the relay asks (the client left, an
 idle or stall timeout, shutdown); Python then goes on from that exact byte
@@ -101,10 +102,16 @@ class Stream(Protocol):
     def poll(self) -> tuple[bytes, int, int]: ...
     def clocks(self) -> tuple[int, int]: ...
     def stop(self) -> None: ...
+    def urge(self) -> None: ...
 
 
 class Owner(Protocol):
     def native_returned(self, stream: Stream) -> None: ...
+
+
+# How long a stream that ended quietly waits at most for the event loop's own wake-up, in ms;
+# None: the extension's (`QUIET_NS`, 20 ms). Tests lengthen it, to tell a wake-up asked for.
+QUIET_MS: int | None = None
 
 
 class NativeRelay:
@@ -112,7 +119,8 @@ class NativeRelay:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._relay = import_module("phasewatch.proxy._native").Relay()
+        relay = import_module("phasewatch.proxy._native").Relay
+        self._relay = relay() if QUIET_MS is None else relay(quiet_ms=QUIET_MS)
         self._open = True
         loop.add_reader(self._relay.fileno(), self._returned)
 

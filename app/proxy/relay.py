@@ -444,10 +444,7 @@ class Exchange:
             self._native_tried = True
             conn.resume_reading()
             return
-        self._native = stream
-        self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
-        self._ctx.live.hold(self)
-        self._ctx.metrics.native_streams.inc()
+        self._held(stream, leg)
 
     def _start_native_at_head(self) -> None:
         """Hand the exchange to the native leg as its request goes out, when its stream can be
@@ -472,11 +469,26 @@ class Exchange:
             self._native_tried = True
             conn.resume_reading()
             return
-        self._native = stream
         self._head = Head.NATIVE
-        self._replayed_ns = perf_counter_ns()
+        self._held(stream, leg)
+
+    def _held(self, stream: Stream, leg: ClientLeg) -> None:
+        """The native leg holds the stream from here."""
+        self._native = stream
+        self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
         self._ctx.live.hold(self)
         self._ctx.metrics.native_streams.inc()
+        leg.on_followed = self._followed
+        if leg.followed:
+            stream.urge()
+
+    def _followed(self) -> None:
+        """A request is queued behind this one on the client's connection: the native leg
+        hands the stream's end back at once, not on the event loop's next wake-up, for that
+        request to start (native.py)."""
+        native = self._native
+        if native is not None:
+            native.urge()
 
     def _take_head(self, stream: Stream) -> None:
         """The native leg wrote the client's head (if `stream.head` is there): the upstream's

@@ -474,6 +474,38 @@ def test_a_kept_alive_connection_carries_pipelined_streams_and_closes_when_asked
         assert [(r.outcome, r.output_tokens) for r in records] == [("ok", 30)] * 4
 
 
+def test_a_pipelined_request_does_not_wait_for_the_event_loops_next_wake_up(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread ends a clean stream quietly (native.py): the event loop takes it on its next
+    wake-up for anything else. A request already queued behind it on the same connection is
+    such a wake-up only if the stream is urged. Here a quiet ending waits a minute and the live
+    registry's pass (another such wake-up) never runs, so the second answer comes within the
+    socket's timeout only through `urge`."""
+    from phasewatch.proxy import live, native
+
+    async def no_pass(self: Any) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(native, "QUIET_MS", 60_000)
+    monkeypatch.setattr(live.LiveStreams, "run", no_pass)
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), *_ending(30)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True)
+    expected = _stream(make_proxy(raw_upstream.url, native_relay=False).url, ASK)
+    body = orjson.dumps(ASK)
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+               b"application/json\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+    host, port = proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        responses = _Responses(sock)
+        sock.sendall(request * 2)  # the second queued behind the first
+        answers = [responses.next(), responses.next()]
+    assert [got for _, got in answers] == [expected] * 2
+    assert _native_streams(proxy) == 2
+    records = [proxy.next_record() for _ in range(2)]
+    assert [(r.outcome, r.output_tokens) for r in records] == [("ok", 30)] * 2
+
+
 def test_under_uvloop_the_native_leg_relays_alike_and_hands_the_connection_back(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     """`serve` runs on uvloop where it is installed (the other tests here on asyncio's loop):

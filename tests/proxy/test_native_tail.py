@@ -263,3 +263,61 @@ def test_an_end_the_client_does_not_take_goes_back_at_once_with_the_rest(relay: 
         assert got == _python_path("usage-cut", [TOKENS[0], terminal, _usage(3), DONE])
     finally:
         pair.close()
+
+
+@pytest.fixture
+def patient_relay() -> Iterator[Any]:
+    """A relay whose quiet endings wait a minute for the event loop's own wake-up: within a
+    test, a notification of such an ending is one asked for (`urge`)."""
+    relay = _native.Relay(quiet_ms=60_000)
+    yield relay
+    relay.close()
+
+
+def _comes_back_notified(relay: Any, stream: Any) -> bool:
+    """The event loop is woken (`fileno()` readable) and `finished()` then has the stream; a
+    wake-up may come a moment before the stream is published, and then another follows."""
+    deadline = time.monotonic() + 10
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([relay.fileno()], [], [], left)
+        if not ready:
+            return False
+        if stream in relay.finished():
+            return True
+    return False
+
+
+def test_a_quiet_end_waits_for_the_event_loop_until_its_deadline(patient_relay: Any) -> None:
+    """The control for the next test: without `urge`, no wake-up within the deadline."""
+    pair = Pair(patient_relay, "usage-cut")
+    try:
+        pair.send(_frame(TOKENS[0]))
+        pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
+        pair.relayed(END)
+        ready, _, _ = select.select([patient_relay.fileno()], [], [], 0.5)
+        assert ready == []
+        assert patient_relay.ended() == [pair.stream]
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("urged", ["before-the-end", "after-the-end"])
+def test_an_end_with_a_request_behind_it_wakes_the_event_loop_at_once(
+        patient_relay: Any, urged: str) -> None:
+    """A request queued behind the response on its connection (pipelined) waits for this
+    stream's end to be taken: `urge` has it come back with a wake-up, whether it is asked
+    while the stream runs or once its end has been published quietly."""
+    pair = Pair(patient_relay, "usage-cut")
+    try:
+        pair.send(_frame(TOKENS[0]))
+        pair.wait_for(lambda got: len(got) > 0)  # the thread holds the stream
+        if urged == "before-the-end":
+            pair.stream.urge()
+        pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
+        pair.relayed(END)
+        if urged == "after-the-end":
+            pair.stream.urge()
+        assert _comes_back_notified(patient_relay, pair.stream)
+        assert pair.stream.ending == Ending.ENDED and pair.stream.end_written
+    finally:
+        pair.close()
