@@ -279,7 +279,8 @@ def start_upstream(args: argparse.Namespace, tmp: Path) -> Server:
 
 
 def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1, name: str | None = None,
-                     extra_env: dict[str, str] | None = None, stored_rate: float = 0) -> Server:
+                     extra_env: dict[str, str] | None = None, stored_rate: float = 0,
+                     python: str = sys.executable) -> Server:
     port = free_port()
     name = name or ("phasewatch" if workers == 1 else f"phasewatch-w{workers}")
     database_url = f"sqlite+aiosqlite:///{tmp / (name + '.db')}"
@@ -288,7 +289,7 @@ def start_phasewatch(upstream: Server, tmp: Path, workers: int = 1, name: str | 
     env = {**os.environ, "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
            "PHASEWATCH_DATABASE_URL": database_url, **(extra_env or {})}
     server = spawn(name, [
-        sys.executable, "-m", "phasewatch.cli", "serve", "--upstream", upstream.url,
+        python, "-m", "phasewatch.cli", "serve", "--upstream", upstream.url,
         "--port", str(port),
         "--workers", str(workers),
     ], tmp, port, env)
@@ -349,6 +350,28 @@ def source_env(source: Path, tmp: Path) -> dict[str, str]:
     shim.mkdir()
     (shim / "phasewatch").symlink_to(source.resolve() / "app")
     return {"PYTHONPATH": str(shim)}
+
+
+def parse_interpreters(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """`--interpreter NAME:PYTHON` -> [("pw@NAME", PYTHON)], each with this checkout installed
+    (editable, so its `app/` and native leg are the ones measured)."""
+    interpreters = []
+    for spec in specs:
+        name, _, python = spec.partition(":")
+        if not name or not python:
+            raise SystemExit(f"--interpreter {spec!r}: expected NAME:PATH")
+        probe = subprocess.run(
+            [python, "-c", "import phasewatch.proxy._native, phasewatch; "
+                           "print(phasewatch.__file__)"],
+            capture_output=True, text=True, cwd="/")
+        if probe.returncode != 0 or not probe.stdout.strip().startswith(str(REPO / "app")):
+            raise SystemExit(
+                f"--interpreter {spec!r}: it does not import this checkout's phasewatch with "
+                f"its native leg ({(probe.stderr or probe.stdout).strip()[-200:]}); install it "
+                "there with `PYTHON -m pip install -r requirements.lock` and `PYTHON -m pip "
+                "install --no-deps -e .`")
+        interpreters.append((f"pw@{name}", python))
+    return interpreters
 
 
 def parse_variants(specs: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
@@ -830,15 +853,22 @@ def print_level(shape: Shape, summary: dict[str, Any], paths: Sequence[str],
               f"{fmt(pw['proxy_cpu_us_per_chunk'], ' us', digits=1)} (nginx not measured)")
     others = [("pw@base", "the baseline checkout"), ("pw+otel", "OpenTelemetry on")]
     others += [(name, "a variant") for name in summary if name.startswith("pw:")]
+    others += [(name, "another interpreter") for name in summary
+               if name.startswith("pw@") and name != "pw@base"]
     for other, what in others:
         if other in summary and pw:
             o = summary[other]
             mine, theirs = pw["proxy_cpu_us_per_chunk"], o["proxy_cpu_us_per_chunk"]
             share = f"{mine / theirs:.3f}x" if mine and theirs else "-"
+            to_nginx = ""
+            if ng is not None:
+                to_nginx = (f"; {other} to nginx "
+                            f"{ratio(theirs, ng['proxy_cpu_us_per_chunk'])} (per repeat "
+                            f"{', '.join(f'{r:.2f}' for r in o['cpu_vs_nginx_per_repeat'])})")
             print(f"CPU/chunk: {other} ({what}) {fmt(theirs, ' us', digits=1)} vs phasewatch "
                   f"{fmt(mine, ' us', digits=1)} (phasewatch = {share} of it); added lag p99 "
                   f"{fmt(o['added_lag_p99_ms'], ' ms', True)} vs "
-                  f"{fmt(pw['added_lag_p99_ms'], ' ms', True)}")
+                  f"{fmt(pw['added_lag_p99_ms'], ' ms', True)}{to_nginx}")
     if (d["loadgen_busy_cores"] or 0) > 0.7 * loadgen_procs:
         print("WARNING: the load generator is near a full core; try --loadgen-procs 2")
     elif (d["loadgen_lateness_p99_ms"] or 0) > 5:
@@ -918,6 +948,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="also run phasewatch with these settings (path `pw:NAME`), e.g. "
                         "nodiag:PHASEWATCH_DIAGNOSIS_INTERVAL_S=0 to see what a periodic duty "
                         "costs; repeatable")
+    p.add_argument("--interpreter", action="append", default=[], metavar="NAME:PYTHON",
+                   help="also run phasewatch, this checkout's code, under another Python (path "
+                        "`pw@NAME`), e.g. an optimized build (PGO, LTO) like the container "
+                        "image's: a CPython 3.11 with phasewatch's dependencies (`PYTHON -m pip "
+                        "install -r requirements.lock`); repeatable")
     p.add_argument("--capacity-rates", type=float, nargs="*", default=[],
                    help="then, at --capacity-concurrency streams, run each of these chunk "
                         "rates (chunks/s) and report the highest each path relays with chunk "
@@ -982,6 +1017,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, env in parse_variants(args.variant):
                 proxies[name] = start_phasewatch(upstream, tmp, name=name, extra_env=env,
                                                  stored_rate=history)
+                servers.append(proxies[name])
+                paths.insert(paths.index("phasewatch") + 1, name)
+            for name, python in parse_interpreters(args.interpreter):
+                # This checkout's code and native build, another interpreter.
+                proxies[name] = start_phasewatch(upstream, tmp, name=name, stored_rate=history,
+                                                 python=python)
                 servers.append(proxies[name])
                 paths.insert(paths.index("phasewatch") + 1, name)
             for workers in args.workers:
