@@ -47,6 +47,7 @@ from phasewatch.api.errors import (
 )
 from phasewatch.core.admin import AdminAccess, is_admin_path
 from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.event_loop import PollSet
 from phasewatch.core.exposition import Exposition
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.records import RecordQueue
@@ -156,7 +157,8 @@ def create_app(
                               settings.writer_flush_interval_s)
         session = create_upstream_session(settings)
         pool = UpstreamPool(settings.upstream_base, settings.upstream_connect_timeout_s,
-                            settings.upstream_max_connections)
+                            settings.upstream_max_connections,
+                            poll_set=PollSet(asyncio.get_running_loop()))
         live = LiveStreams(settings.upstream_idle_timeout_s, settings.stall_threshold_s,
                            LiveGauges(registry), settings.live_snapshot_max_requests,
                            settings.client_stall_timeout_s,

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from phasewatch.core.event_loop import PollSet
 from phasewatch.proxy.native import plain_fd
 
 
@@ -101,8 +102,11 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.close()
 
     def pause_reading(self) -> None:
-        if self.transport is not None and self.state is ConnState.BUSY:
-            self.transport.pause_reading()
+        transport = self.transport
+        if transport is not None and self.state is ConnState.BUSY:
+            transport.pause_reading()
+            if self.plain_fd is not None and self._pool.poll_set is not None:
+                self._pool.poll_set.forget(transport, self.plain_fd)
 
     def resume_reading(self) -> None:
         if self.transport is not None and self.state is ConnState.BUSY:
@@ -215,7 +219,7 @@ class UpstreamPool:
     """Keep-alive connections to one upstream, newest first; `max_connections` 0: no cap."""
 
     def __init__(self, base_url: str, connect_timeout_s: float, max_connections: int = 0,
-                 keepalive_s: float = 30.0) -> None:
+                 keepalive_s: float = 30.0, poll_set: PollSet | None = None) -> None:
         parts = urlsplit(base_url)
         self.secure = parts.scheme == "https"
         self.host = parts.hostname or "127.0.0.1"
@@ -228,6 +232,8 @@ class UpstreamPool:
         self._open: set[UpstreamConnection] = set()
         self._slots = asyncio.Semaphore(max_connections) if max_connections > 0 else None
         self._ssl = ssl.create_default_context() if self.secure else None
+        # The loop's poll set (event_loop.py): a paused connection's socket leaves it at once.
+        self.poll_set = poll_set
 
     @property
     def open_connections(self) -> int:
@@ -280,6 +286,9 @@ class UpstreamPool:
         for conn in list(self._open):
             conn.close()
         self._idle.clear()
+        if self.poll_set is not None:
+            self.poll_set.close()
+            self.poll_set = None
 
     def request(self, method: bytes, target: bytes, headers: Iterable[tuple[bytes, bytes]],
                 body: bytes) -> bytes:
