@@ -44,35 +44,42 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-async def _connected(loop: asyncio.AbstractEventLoop,
-                     ) -> tuple[asyncio.Transport, _Reader, socket.socket, int]:
-    ours, peer = socket.socketpair()
-    transport, reader = await loop.create_connection(_Reader, sock=ours)
-    await asyncio.sleep(0)  # a loop iteration: libuv adds the socket to its set
-    return transport, reader, peer, ours.fileno()
+class _Paused:
+    """A transport on a socket pair, the loop's poll set, and the epoll set's descriptor."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.poll_set = PollSet(loop)
+        self.backend: int = loop._get_backend_id()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> _Paused:
+        ours, self.peer = socket.socketpair()
+        self.fd = ours.fileno()
+        transport, self.reader = await self.loop.create_connection(_Reader, sock=ours)
+        self.transport: asyncio.Transport = transport
+        await asyncio.sleep(0)  # a loop iteration: libuv adds the socket to its set
+        assert self.fd in _watched(self.backend)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.transport.close()
+        self.peer.close()
+        self.poll_set.close()
 
 
 def test_a_paused_socket_leaves_the_set_at_once_and_comes_back_on_resume(
         loop: asyncio.AbstractEventLoop) -> None:
     async def run() -> None:
-        poll_set = PollSet(loop)
-        backend = loop._get_backend_id()  # type: ignore[attr-defined]
-        transport, reader, peer, fd = await _connected(loop)
-        try:
-            assert fd in _watched(backend)
-            transport.pause_reading()
+        async with _Paused(loop) as it:
+            it.transport.pause_reading()
             await asyncio.sleep(0)
-            assert fd in _watched(backend)  # libuv leaves it there until an event comes
-            poll_set.forget(transport, fd)
-            assert fd not in _watched(backend)
-            peer.sendall(b"while paused")
-            transport.resume_reading()
-            await asyncio.wait_for(reader.more.wait(), 10)  # libuv added it again
-            assert reader.received == b"while paused" and fd in _watched(backend)
-        finally:
-            transport.close()
-            peer.close()
-            poll_set.close()
+            assert it.fd in _watched(it.backend)  # libuv leaves it there until an event comes
+            it.poll_set.forget(it.transport, it.fd)
+            assert it.fd not in _watched(it.backend)
+            it.peer.sendall(b"while paused")
+            it.transport.resume_reading()
+            await asyncio.wait_for(it.reader.more.wait(), 10)  # libuv added it again
+            assert it.reader.received == b"while paused" and it.fd in _watched(it.backend)
 
     loop.run_until_complete(run())
 
@@ -81,31 +88,23 @@ def test_a_socket_with_a_write_pending_stays_in_the_set(
         loop: asyncio.AbstractEventLoop) -> None:
     """libuv still watches it for writing, and would abort on a set that lost it."""
     async def run() -> None:
-        poll_set = PollSet(loop)
-        backend = loop._get_backend_id()  # type: ignore[attr-defined]
-        transport, reader, peer, fd = await _connected(loop)
-        try:
-            transport.write(b"x" * (8 << 20))  # more than the socket's buffers take
-            assert transport.get_write_buffer_size()
-            transport.pause_reading()
-            poll_set.forget(transport, fd)
-            assert fd in _watched(backend)
-            peer.setblocking(False)
-            drained = 0
-            while transport.get_write_buffer_size():  # the peer reads: libuv writes on
+        async with _Paused(loop) as it:
+            it.transport.write(b"x" * (8 << 20))  # more than the socket's buffers take
+            assert it.transport.get_write_buffer_size()
+            it.transport.pause_reading()
+            it.poll_set.forget(it.transport, it.fd)
+            assert it.fd in _watched(it.backend)
+            it.peer.setblocking(False)
+            while it.transport.get_write_buffer_size():  # the peer reads: libuv writes on
                 await asyncio.sleep(0.001)
                 try:
-                    drained += len(peer.recv(1 << 20))
+                    it.peer.recv(1 << 20)
                 except BlockingIOError:
                     pass
-            transport.resume_reading()
-            peer.sendall(b"after")
-            await asyncio.wait_for(reader.more.wait(), 10)
-            assert reader.received == b"after"
-        finally:
-            transport.close()
-            peer.close()
-            poll_set.close()
+            it.transport.resume_reading()
+            it.peer.sendall(b"after")
+            await asyncio.wait_for(it.reader.more.wait(), 10)
+            assert it.reader.received == b"after"
 
     loop.run_until_complete(run())
 
