@@ -58,7 +58,7 @@ from phasewatch.engine.metrics import EngineScrapeMetrics
 from phasewatch.engine.scraper import EngineScraper
 from phasewatch.otel import check_otel
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
-from phasewatch.proxy.client_leg import ENDED_HOOK, SHUTDOWN_HOOK
+from phasewatch.proxy.client_leg import ENDED_HOOK, SHUTDOWN_HOOK, client_leg
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveGauges, LiveStreams
@@ -101,20 +101,33 @@ class Phasewatch:
         return self.api.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            endpoint = ENDPOINTS.get(path)
-            if endpoint is not None and scope["method"] == "POST":
-                await relay(self.api.state.proxy, endpoint, scope, receive, send)
-                return
-            if not path.startswith(OWN_PATHS):
-                await pass_through(self.api.state.proxy, scope, receive, send)
-                return
-            if is_admin_path(path) and not self.admin.allows(scope["headers"]):
-                status, message = self.admin.refusal()
-                await send_error(send, status, message, "permission_denied",
-                                 (header(scope, REQUEST_ID) or b"-").decode("latin-1"))
-                return
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        try:
+            await self._http(scope, receive, send)
+        finally:
+            # The server's cycle holds the scope, the scope the client leg, and the leg the
+            # cycle and the relay's callbacks: let go, so that the request's objects are
+            # freed as it ends rather than by the cyclic collector.
+            leg = client_leg(scope)
+            if leg is not None:
+                leg.release()
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is not None and scope["method"] == "POST":
+            await relay(self.api.state.proxy, endpoint, scope, receive, send)
+            return
+        if not path.startswith(OWN_PATHS):
+            await pass_through(self.api.state.proxy, scope, receive, send)
+            return
+        if is_admin_path(path) and not self.admin.allows(scope["headers"]):
+            status, message = self.admin.refusal()
+            await send_error(send, status, message, "permission_denied",
+                             (header(scope, REQUEST_ID) or b"-").decode("latin-1"))
+            return
         await self.api(scope, receive, send)
 
 

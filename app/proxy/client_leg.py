@@ -78,6 +78,13 @@ class ClientLeg:
         self.followed = False
         self.on_followed: Callable[[], None] | None = None
 
+    def release(self) -> None:
+        """The app is done with the request (main.py): let go of the server's cycle and the
+        relay's callbacks. The cycle's scope holds this leg, and the callbacks the relay's
+        exchange, so each request would otherwise leave them all to the cyclic collector."""
+        self._cycle = None
+        self.on_pause = self.on_resume = self.on_disconnect = self.on_followed = None
+
     def queued_behind(self) -> None:
         """The server queued a request behind this one (`PhasewatchHttpProtocol`)."""
         self.followed = True

@@ -11,6 +11,7 @@ breaks off mid-stream, a client that leaves, a client that stops reading for a w
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import threading
@@ -504,6 +505,39 @@ def test_a_pipelined_request_does_not_wait_for_the_event_loops_next_wake_up(
     assert _native_streams(proxy) == 2
     records = [proxy.next_record() for _ in range(2)]
     assert [(r.outcome, r.output_tokens) for r in records] == [("ok", 30)] * 2
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-leg", "python-path"])
+def test_a_relayed_request_leaves_nothing_to_the_cyclic_collector(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream, native: bool) -> None:
+    """A request's objects (its exchange, timing, client leg, the server's cycle) are freed by
+    reference counting as it ends, not left in cycles for the collector: under load, those
+    would outlive the young generations and wait for a full collection."""
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 10), *_ending(10)]
+    proxy = make_proxy(raw_upstream.url, native_relay=native)
+
+    def relayed(client: httpx.Client) -> None:
+        with client.stream("POST", "/v1/chat/completions", json=ASK) as response:
+            assert response.status_code == 200
+            response.read()
+        proxy.next_record()  # stored: the relay's last step has run
+
+    # One kept-alive connection (a connection's own objects go when it closes).
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        relayed(client)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                relayed(client)
+            gc.collect()
+            left = sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
+                           if type(o).__module__.startswith(("phasewatch.", "uvicorn."))})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert left == [], left
+    assert _native_streams(proxy) == (4 if native else 0)
 
 
 def test_under_uvloop_the_native_leg_relays_alike_and_hands_the_connection_back(
