@@ -11,6 +11,7 @@ reading resumes, and that a socket with a write pending (still watched for writi
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Iterator
 
@@ -19,6 +20,8 @@ import pytest
 from phasewatch.core.event_loop import PollSet
 
 uvloop = pytest.importorskip("uvloop")
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fdinfo"),
+                                reason="reads the kernel's epoll set through Linux's /proc")
 
 
 def _watched(epoll_fd: int) -> set[int]:
