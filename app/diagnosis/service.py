@@ -46,7 +46,7 @@ from phasewatch.store.diagnoses import (
     still_served,
 )
 from phasewatch.store.engine_scrapes import read_scrapes
-from phasewatch.store.live_snapshots import read_fresh
+from phasewatch.store.live_snapshots import StoredSnapshot, read_fresh
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +169,14 @@ class DiagnosisService:
     async def diagnose(
         self, model: str, until: datetime, window: timedelta, baseline: Baseline,
         min_samples: int | None = None, live: bool = True,
+        fresh: list[StoredSnapshot] | None = None,
     ) -> dict[str, Any]:
         """One model's diagnosis as a JSON-ready report. Raises UnknownRun for a run baseline
         no stored request carries. `live`: also read the requests in flight (a question about
         the present; each process keeps only its latest snapshot, so a question about a moment
-        already past is answered from finished records alone, the same by every process)."""
+        already past is answered from finished records alone, the same by every process).
+        `fresh`: those snapshots, already read for `until` (`_read_fresh`), by a caller that
+        asks several questions about one moment."""
         since = until - window
         limit = self.settings.diagnosis_max_samples
         async with self.sessionmaker() as session:
@@ -206,11 +209,10 @@ class DiagnosisService:
                              "seconds": run_s}
             engine, engine_up = (None, None) if self.engine_url is None else (
                 await read_engine(session, self.engine_url, since, until, model))
-            # For the present, a snapshot published while this ran (after `until`) is the
-            # freshest there is: it replaced the one before it.
-            fresh = await read_fresh(session, until - timedelta(
-                seconds=self.settings.diagnosis_live_max_age_s),
-                max(until, datetime.now(UTC))) if live else []
+            if not live:
+                fresh = []
+            elif fresh is None:
+                fresh = await self._read_fresh(session, until)
         rules = self.rules if min_samples is None else replace(self.rules,
                                                                 min_samples=min_samples)
         in_flight = [r for snapshot in fresh for r in snapshot.requests if r.model == model]
@@ -231,6 +233,14 @@ class DiagnosisService:
             "engine_metrics": None if self.engine_url is None else {
                 "url": self.engine_url, "up": engine_up, "in_window": engine is not None},
         }
+
+    async def _read_fresh(self, session: AsyncSession, until: datetime) -> list[StoredSnapshot]:
+        """Every process's live snapshot fresh at `until`. For the present, a snapshot
+        published while a round ran (after `until`) is the freshest there is: it replaced the
+        one before it."""
+        return await read_fresh(
+            session, until - timedelta(seconds=self.settings.diagnosis_live_max_age_s),
+            max(until, datetime.now(UTC)))
 
     async def run(self) -> None:
         """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled. Each run
@@ -335,8 +345,12 @@ class DiagnosisService:
                           BaselineKind.PREVIOUS))
         report: dict[str, Any] = {}
         kind = BaselineKind.PREVIOUS
+        # The tries ask about one moment: the snapshots of the requests in flight are read
+        # once (a thousand requests each, parsed, at every try otherwise).
+        async with self.sessionmaker() as session:
+            fresh = await self._read_fresh(session, now)
         for window, baseline, tried in tries:
-            report, kind = await self.diagnose(model, now, window, baseline), tried
+            report, kind = await self.diagnose(model, now, window, baseline, fresh=fresh), tried
             if report["verdict"] != Verdict.INSUFFICIENT_DATA.value:
                 break
         report["baseline"]["schedule_kind"] = kind.value

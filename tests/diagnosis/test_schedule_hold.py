@@ -1,16 +1,24 @@
 """The schedule over a long incident, on stored records and explicit round times: the verdict
 is named, holds for the whole incident (its baseline frozen at the last healthy span), changes
-only after the rounds hysteresis asks, and each stored change carries why."""
+only after the rounds hysteresis asks, and each stored change carries why; and what one round
+reads."""
 
 from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from phasewatch.core.db import create_engine, create_sessionmaker
+from phasewatch.core.live import InFlight
 from phasewatch.core.settings import load_settings
+from phasewatch.diagnosis import service as service_module
 from phasewatch.diagnosis.service import DiagnosisService, PreviousSpan
 from phasewatch.store.diagnoses import list_diagnoses
+from phasewatch.store.live_snapshots import put_snapshot, read_fresh
 from phasewatch.store.migrate import upgrade
 from tests.diagnosis.test_api import insert, rows
 
@@ -65,5 +73,49 @@ async def test_a_long_incident_stays_named_and_its_baseline_is_not_absorbed(
         assert end["baseline"]["known_healthy"] is True
         assert stored[0].baseline.startswith("healthy_reference ")
         assert end["baseline"]["until"] <= (T0 + timedelta(seconds=HEALTHY_S + 30)).isoformat()
+    finally:
+        await engine.dispose()
+
+
+async def test_a_round_reads_the_requests_in_flight_once_for_all_its_tries(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With too few requests for the recent window, a round tries the whole window too; both
+    tries judge one moment, so the live snapshots (a thousand requests each to parse) are read
+    once, and each try has them."""
+    await asyncio.to_thread(upgrade, sqlite_url)
+    now = T0 + timedelta(seconds=600)
+    await asyncio.to_thread(insert, sqlite_url, rows("m", T0 + timedelta(seconds=590), 5, 3))
+    settings = load_settings(database_url=sqlite_url, diagnosis_window_s=300,
+                             diagnosis_recent_s=60, diagnosis_baseline_s=300,
+                             engine_metrics_enabled=False)
+    engine = create_engine(sqlite_url)
+    service = DiagnosisService(create_sessionmaker(engine), settings)
+    waiting = InFlight(model="m", started_s=now.timestamp() - 2, age_s=2.0, ttft_s=None,
+                       silent_s=2.0, itl_count=0, itl_p50_s=None, itl_max_s=None,
+                       prompt_tokens=None, in_flight=4)
+    reads: list[datetime] = []
+
+    async def counted(session: AsyncSession, since: datetime, until: datetime) -> Any:
+        reads.append(until)
+        return await read_fresh(session, since, until)
+
+    monkeypatch.setattr(service_module, "read_fresh", counted)
+    reports: list[dict[str, Any]] = []
+    diagnose = service.diagnose
+
+    async def kept(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        reports.append(await diagnose(*args, **kwargs))
+        return reports[-1]
+
+    monkeypatch.setattr(service, "diagnose", kept)
+    try:
+        async with service.sessionmaker() as session:
+            await put_snapshot(session, "p1", now - timedelta(seconds=1), [waiting] * 3,
+                               stale_before=now - timedelta(seconds=60))
+        assert await service.evaluate_all(now=now) == {"m": "insufficient_data"}
+        assert len(reports) == 2  # the recent window, then the whole one
+        assert [r["window"]["seconds"] for r in reports] == [60.0, 300.0]
+        assert [r["live"]["requests"] for r in reports] == [3, 3]
+        assert len(reads) == 1
     finally:
         await engine.dispose()
