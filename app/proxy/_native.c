@@ -1309,8 +1309,45 @@ done:
     return result;
 }
 
+/* -- Python: nearest_ranks ------------------------------------------------------------------ */
+
+static int compare_doubles(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static PyObject *nearest_ranks(PyObject *Py_UNUSED(m), PyObject *args) {
+    /* nearest_ranks(values, q1, q2): the nearest-rank q1 and q2 percentiles of a writable
+     * buffer of doubles (an array('d')), which is left sorted; (None, None) when it is empty.
+     * What `percentile(sorted(values), q)` gives (app/core/quantiles.py), without a float
+     * object per value (gap_summary.py). */
+    Py_buffer vb;
+    double q1, q2;
+    if (!PyArg_ParseTuple(args, "w*dd", &vb, &q1, &q2)) return NULL;
+    if (vb.len % 8 != 0) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "values are doubles");
+        return NULL;
+    }
+    Py_ssize_t n = vb.len / 8;
+    double *v = vb.buf;
+    PyObject *result;
+    if (n == 0) {
+        result = Py_BuildValue("(OO)", Py_None, Py_None);
+    } else {
+        qsort(v, (size_t)n, sizeof *v, compare_doubles);
+        Py_ssize_t r1 = (Py_ssize_t)ceil(q1 * (double)n) - 1, r2 = (Py_ssize_t)ceil(q2 * (double)n) - 1;
+        r1 = r1 < 0 ? 0 : (r1 >= n ? n - 1 : r1);
+        r2 = r2 < 0 ? 0 : (r2 >= n ? n - 1 : r2);
+        result = Py_BuildValue("(dd)", v[r1], v[r2]);
+    }
+    PyBuffer_Release(&vb);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"replay_exact", replay_exact, METH_VARARGS, NULL},
+    {"nearest_ranks", nearest_ranks, METH_VARARGS, NULL},
     {NULL},
 };
 

@@ -21,7 +21,7 @@ from phasewatch.core.events import (
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.quantiles import percentile
 from phasewatch.core.records import Outcome, RequestRecord
-from phasewatch.proxy import itl_replay
+from phasewatch.proxy import gap_summary, itl_replay
 from phasewatch.proxy import timing as timing_module
 from phasewatch.proxy.gap_summary import GapSummary
 from phasewatch.proxy.request_plan import plan_request
@@ -394,6 +394,31 @@ def test_gap_summary_nearest_rank_while_exact() -> None:
         gaps.add(float(i))
     assert gaps.summary() == (100, 50.5, 50.0, 95.0, 100.0) and gaps.exact
     assert GapSummary().summary() == (0, None, None, None, None)
+
+
+@pytest.mark.skipif(gap_summary.nearest_ranks is gap_summary.nearest_ranks_py,
+                    reason="the native extension is not built here")
+def test_the_extensions_nearest_ranks_are_the_python_percentiles() -> None:
+    """`nearest_ranks` (C) gives what `percentile(sorted(...))` gives, for every size up to the
+    exact limit, with ties and zero gaps, added between two summaries (the array stays
+    sorted from the last one) and in any order."""
+    rng = random.Random(11)
+    for n in [0, 1, 2, 3, 19, 20, 21, 64, 100, 2047, 2048]:
+        values = [rng.choice((0.0, 0.02, rng.lognormvariate(-4, 0.6))) for _ in range(n)]
+        gaps = GapSummary()
+        for i, value in enumerate(values):
+            gaps.add(value)
+            if i == n // 2 or i == n - 1:  # a summary midway, then more gaps, then another
+                seen = array("d", values[: i + 1])
+                expected = gap_summary.nearest_ranks_py(seen, 0.5, 0.95)
+                assert gap_summary.nearest_ranks(array("d", seen), 0.5, 0.95) == expected
+                assert gaps.summary()[2:4] == expected
+        assert gaps.exact
+        for q1, q2 in [(0.0, 1.0), (0.01, 0.99), (0.5, 0.95)]:
+            assert gap_summary.nearest_ranks(array("d", values), q1, q2) == \
+                gap_summary.nearest_ranks_py(array("d", values), q1, q2)
+    with pytest.raises(TypeError):
+        gap_summary.nearest_ranks(b"\0" * 8, 0.5, 0.95)  # read-only: not sorted in place
 
 
 def test_gap_summary_stays_bounded_and_within_one_percent_past_the_exact_limit() -> None:
