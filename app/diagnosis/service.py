@@ -82,11 +82,9 @@ def to_observation(row: tuple[Any, ...]) -> Observation:
     """An `phasewatch.store.diagnoses.OBSERVATION_COLUMNS` row as the core's input."""
     (started_s, outcome, ttft_s, e2e_s, itl_count, itl_p50_s, itl_max_s, prompt_tokens,
      in_flight) = row
-    return Observation(
-        started_s=started_s, ok=outcome == "ok", ttft_s=ttft_s, e2e_s=e2e_s,
-        itl_count=itl_count or 0, itl_p50_s=itl_p50_s, itl_max_s=itl_max_s,
-        prompt_tokens=prompt_tokens, in_flight=in_flight or 0,
-    )
+    # Positional, in the fields' order: a round builds up to twice `diagnosis_max_samples`.
+    return Observation(started_s, outcome == "ok", ttft_s, e2e_s, itl_count or 0, itl_p50_s,
+                       itl_max_s, prompt_tokens, in_flight or 0)
 
 
 def _sample(span: RequestSpan, seconds: float, until: datetime,
