@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml app/proxy/_native.c
+$(VENV)/.installed: pyproject.toml app/proxy/_native.c app/diagnosis/_stats.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

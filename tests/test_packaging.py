@@ -96,14 +96,18 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_artefacts_hold_the_package_and_pass_twine(dist: Path) -> None:
     [wheel] = dist.glob("phasewatch-*.whl")
     [sdist] = dist.glob("phasewatch-*.tar.gz")
-    # A platform wheel: the native relay (app/proxy/_native.c) is compiled into it.
+    # A platform wheel: the native relay (app/proxy/_native.c) and the diagnosis's loops
+    # (app/diagnosis/_stats.c) are compiled into it.
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert re.fullmatch(rf"phasewatch-{re.escape(__version__)}-{tag}-{tag}-linux_\w+\.whl",
                         wheel.name), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(re.fullmatch(r"phasewatch/proxy/_native\.[\w.-]+\.so", name) for name in names)
-    with tarfile.open(sdist) as archive:  # the sdist builds it again
-        assert any(name.endswith("/app/proxy/_native.c") for name in archive.getnames())
+    for module in ("proxy/_native", "diagnosis/_stats"):
+        assert any(re.fullmatch(rf"phasewatch/{module}\.[\w.-]+\.so", name) for name in names)
+    with tarfile.open(sdist) as archive:  # the sdist builds them again
+        sources = archive.getnames()
+        assert any(name.endswith("/app/proxy/_native.c") for name in sources)
+        assert any(name.endswith("/app/diagnosis/_stats.c") for name in sources)
     top = {name.split("/", 1)[0] for name in names}
     assert top == {"phasewatch", f"phasewatch-{__version__}.dist-info"}  # no `app` package
     for needed in ("phasewatch/migrations/env.py", "phasewatch/migrations/script.py.mako",

@@ -7,6 +7,11 @@ minimum sample size (20 by default) anyway. No numpy or scipy: sizes are thousan
 
 Pure functions of their arguments; randomness comes from a `random.Random` the caller seeds,
 so the same data always gives the same answer.
+
+The hottest loops (`average_ranks`, the beta draws', the bootstrap's per quantile rank) run in
+C (`_stats.c`) where that is built, giving to the bit what the Python here gives
+(`average_ranks_py`, `beta_draws_py`, `quantile_replicates_py`: the references the tests hold
+it to, and what runs where it is not built).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import import_module
 from itertools import compress, islice
 from operator import eq, mul
+from types import ModuleType
 
 _LOG_4 = math.log(4.0)
 _ONE_PLUS_LOG_5 = 1.0 + math.log(5.0)
@@ -29,9 +36,26 @@ def normal_sf(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
+_stats: ModuleType | None
+try:
+    _stats = import_module("phasewatch.diagnosis._stats")
+except ImportError:  # not built here: the Python below
+    _stats = None
+
+
 def average_ranks(values: Sequence[float]) -> tuple[list[float], list[int]]:
     """1-based ranks, ties given their average rank; and the size of each group of ties (in
-    the order of their values).
+    the order of their values). In C where built (`average_ranks_py` otherwise, and for values
+    a double does not hold exactly)."""
+    if _stats is not None:
+        ranked: tuple[list[float], list[int]] | None = _stats.average_ranks(values)
+        if ranked is not None:
+            return ranked
+    return average_ranks_py(values)
+
+
+def average_ranks_py(values: Sequence[float]) -> tuple[list[float], list[int]]:
+    """`average_ranks` in Python.
 
     One sort in C; the ranks by sorted position, where only tied positions (found in C) take
     a Python step each; then one pass placing each rank at its value's index. This runs a
@@ -171,6 +195,15 @@ def rank_of(q: float, n: int) -> int:
 
 
 def beta_draws(a: float, b: float, k: int, rng: random.Random) -> list[float]:
+    """k draws from Beta(a, b), as `beta_draws_py` draws them; Cheng's loop in C where built."""
+    lo, hi = (a, b) if a <= b else (b, a)
+    if _stats is None or lo <= 1.0:
+        return beta_draws_py(a, b, k, rng)
+    draws: list[float] = _stats.cheng_bb(lo, hi, a == lo, k, rng.random)
+    return draws
+
+
+def beta_draws_py(a: float, b: float, k: int, rng: random.Random) -> list[float]:
     """k draws from Beta(a, b): Cheng's algorithm BB (Communications of the ACM 21(4), 1978)
     when both shapes exceed 1, as R's `rbeta` draws, and `random.betavariate` otherwise.
 
@@ -221,6 +254,25 @@ def quantile_replicates(
     so increasing ranks are drawn jointly, as one resample would give them. The cost is one
     beta draw per quantile instead of n draws and a sort.
     """
+    if _stats is None:
+        return quantile_replicates_py(ordered, ranks, k, rng)
+    n = len(ordered)
+    out: list[list[float]] = []
+    u, previous = [0.0] * k, 0
+    for r in ranks:
+        draws = None
+        if r > previous:
+            draws = beta_draws(r - previous, n - r + 1, k, rng)
+            previous = r
+        u, picked = _stats.replicate_ranks(ordered, u, draws)  # the loops below, in C
+        out.append(picked)
+    return out
+
+
+def quantile_replicates_py(
+    ordered: Sequence[float], ranks: Sequence[int], k: int, rng: random.Random
+) -> list[list[float]]:
+    """`quantile_replicates` in Python."""
     n = len(ordered)
     out: list[list[float]] = []
     u, previous = [0.0] * k, 0

@@ -10,6 +10,7 @@ import statistics
 
 import pytest
 
+from phasewatch.diagnosis import statistics as stats_module
 from phasewatch.diagnosis.statistics import (
     Moments,
     average_ranks,
@@ -160,3 +161,47 @@ def test_interval() -> None:
     values = [float(i) for i in range(1, 1001)]
     assert interval(values) == (25.0, 975.0)
     assert math.isclose(interval([1.0])[0], 1.0)
+
+
+@pytest.mark.skipif(stats_module._stats is None, reason="the C loops are not built here")
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_ranks_are_the_python_ranks_to_the_bit(seed: int) -> None:
+    """`average_ranks` (C) against `average_ranks_py`: floats, integers full of ties, both
+    mixed, the sizes a round sees; values a double cannot hold exactly go to the Python."""
+    rng = random.Random(seed)
+    for n in (0, 1, 2, 3, 50, 3001):
+        values: list[float] = [
+            rng.choice((float(rng.randint(0, 9)), rng.randint(0, 9), rng.lognormvariate(0, 1)))
+            for _ in range(n)]
+        assert stats_module._stats.average_ranks(values) == \
+            stats_module.average_ranks_py(values)
+    assert stats_module._stats.average_ranks([1.0, float("nan")]) is None
+    assert stats_module._stats.average_ranks([2**60, 1]) is None
+    assert average_ranks([2**60, 1, 2**60]) == ([2.5, 1.0, 2.5], [2])  # by the Python
+
+
+@pytest.mark.skipif(stats_module._stats is None, reason="the C loops are not built here")
+@pytest.mark.parametrize(("a", "b"), [(1.01, 1.01), (2.0, 50.0), (50.0, 2.0), (7.0, 7.0),
+                                      (1000.0, 1001.0), (1900.0, 101.0), (0.5, 3.0)])
+def test_the_c_beta_draws_are_the_python_draws_to_the_bit(a: float, b: float) -> None:
+    """The same draws from the same seed, every double equal, and the generator left in the
+    same state (the bootstrap's next draws follow on)."""
+    rng_c, rng_py = random.Random(3), random.Random(3)
+    assert beta_draws(a, b, 5000, rng_c) == stats_module.beta_draws_py(a, b, 5000, rng_py)
+    assert rng_c.random() == rng_py.random()
+
+
+@pytest.mark.skipif(stats_module._stats is None, reason="the C loops are not built here")
+@pytest.mark.parametrize("n", [1, 2, 7, 3000])
+def test_the_c_bootstrap_is_the_python_bootstrap_to_the_bit(n: int) -> None:
+    """`quantile_replicates` with its step in C against `quantile_replicates_py`: the same
+    replicates of the same ranks (repeated ranks too) from the same seed, and the generator
+    left in the same state."""
+    rng = random.Random(n)
+    ordered = sorted(rng.lognormvariate(0, 1) for _ in range(n))
+    ranks = sorted({rank_of(q, n) for q in (0.5, 0.9, 0.95, 0.99)} | {rank_of(0.5, n)})
+    ranks = [ranks[0], *ranks]  # a rank asked twice draws nothing the second time
+    rng_c, rng_py = random.Random(9), random.Random(9)
+    assert quantile_replicates(ordered, ranks, 2000, rng_c) == \
+        stats_module.quantile_replicates_py(ordered, ranks, 2000, rng_py)
+    assert rng_c.random() == rng_py.random()
