@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import import_module
 from itertools import compress, islice
@@ -254,8 +254,22 @@ def quantile_replicates(
     so increasing ranks are drawn jointly, as one resample would give them. The cost is one
     beta draw per quantile instead of n draws and a sort.
     """
-    if _stats is None:
-        return quantile_replicates_py(ordered, ranks, k, rng)
+    return _replicates(ordered, ranks, k, rng, _replicate_ranks)
+
+
+def quantile_replicates_py(
+    ordered: Sequence[float], ranks: Sequence[int], k: int, rng: random.Random
+) -> list[list[float]]:
+    """`quantile_replicates` with its step per rank in Python."""
+    return _replicates(ordered, ranks, k, rng, _replicate_ranks_py)
+
+
+Step = Callable[[Sequence[float], list[float], list[float] | None],
+                tuple[list[float], list[float]]]
+
+
+def _replicates(ordered: Sequence[float], ranks: Sequence[int], k: int, rng: random.Random,
+                step: Step) -> list[list[float]]:
     n = len(ordered)
     out: list[list[float]] = []
     u, previous = [0.0] * k, 0
@@ -264,25 +278,22 @@ def quantile_replicates(
         if r > previous:
             draws = beta_draws(r - previous, n - r + 1, k, rng)
             previous = r
-        u, picked = _stats.replicate_ranks(ordered, u, draws)  # the loops below, in C
+        u, picked = step(ordered, u, draws)
         out.append(picked)
     return out
 
 
-def quantile_replicates_py(
-    ordered: Sequence[float], ranks: Sequence[int], k: int, rng: random.Random
-) -> list[list[float]]:
-    """`quantile_replicates` in Python."""
+def _replicate_ranks_py(ordered: Sequence[float], u: list[float],
+                        draws: list[float] | None) -> tuple[list[float], list[float]]:
+    """One rank's step: with `draws`, each replicate's order statistic moves on to the next
+    rank of the same resample (u + (1 - u) * draw); the value of `ordered` each falls on."""
     n = len(ordered)
-    out: list[list[float]] = []
-    u, previous = [0.0] * k, 0
-    for r in ranks:
-        if r > previous:
-            u = [x + (1.0 - x) * d
-                 for x, d in zip(u, beta_draws(r - previous, n - r + 1, k, rng), strict=True)]
-            previous = r
-        out.append([ordered[min(n, max(1, math.ceil(n * x))) - 1] for x in u])
-    return out
+    if draws is not None:
+        u = [x + (1.0 - x) * d for x, d in zip(u, draws, strict=True)]
+    return u, [ordered[min(n, max(1, math.ceil(n * x))) - 1] for x in u]
+
+
+_replicate_ranks: Step = _replicate_ranks_py if _stats is None else _stats.replicate_ranks
 
 
 @dataclass(frozen=True, slots=True)
