@@ -1234,18 +1234,19 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *samples = NULL, *marked = NULL, *counts = NULL, *result = NULL;
     int64_t *tally = NULL;
     double *mark = NULL;  /* per bucket: the last gap that was the largest so far (NaN: none) */
+    double *gaps = NULL;  /* one per token, in order: `samples`, as native doubles */
     if (ev.len % 24 != 0 || bd.len % 8 != 0) {
         PyErr_SetString(PyExc_ValueError, "events are int64 triples and bounds doubles");
         goto done;
     }
     const int64_t *e = ev.buf;
     const double *b = bd.buf;
-    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, observed = 0;
+    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, observed = 0, kept = 0, cap = n ? n : 1;
     double sum = 0.0;
     tally = calloc((size_t)(nb ? nb : 1), sizeof *tally);
     mark = malloc((size_t)(nb ? nb : 1) * sizeof *mark);
-    samples = PyList_New(0);
-    if (tally == NULL || mark == NULL || samples == NULL) { PyErr_NoMemory(); goto done; }
+    gaps = malloc((size_t)cap * sizeof *gaps);
+    if (tally == NULL || mark == NULL || gaps == NULL) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < nb; i++) mark[i] = NAN;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t completion = e[3 * i + 1], tokens = completion - seen;
@@ -1254,22 +1255,26 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         seen = completion;
         last = e[3 * i];
         total += gap * (double)tokens;
-        PyObject *g = PyFloat_FromDouble(gap);
-        if (g == NULL) goto done;
-        for (int64_t k = 0; k < tokens; k++) {
-            if (PyList_Append(samples, g) < 0) { Py_DECREF(g); goto done; }
+        if (tokens > cap - kept) {  /* an event of several tokens: room for them */
+            Py_ssize_t want = kept + (Py_ssize_t)tokens;
+            if (want < 2 * cap) want = 2 * cap;
+            double *grown = realloc(gaps, (size_t)want * sizeof *gaps);
+            if (grown == NULL) { PyErr_NoMemory(); goto done; }
+            gaps = grown;
+            cap = want;
         }
-        Py_DECREF(g);
+        for (int64_t k = 0; k < tokens; k++) gaps[kept++] = gap;
+        int largest_yet = gap > largest;
+        if (largest_yet) largest = gap;
         if (nb == 0) continue;
         Py_ssize_t bucket = bucket_of(b, nb, gap);
         tally[bucket] += tokens;
         for (int64_t k = 0; k < tokens; k++) sum += gap;  /* one by one, as sum() adds */
         observed += tokens;
-        if (gap > largest) {
-            largest = gap;
-            if (exemplars) mark[bucket] = gap;
-        }
+        if (largest_yet && exemplars) mark[bucket] = gap;
     }
+    samples = PyBytes_FromStringAndSize((const char *)gaps, kept * (Py_ssize_t)sizeof *gaps);
+    if (samples == NULL) goto done;
     if (observed > 0) {
         counts = PyList_New(0);
         marked = PyList_New(0);
@@ -1297,13 +1302,15 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         marked = PyList_New(0);
         if (marked == NULL) goto done;
     }
-    result = Py_BuildValue("(OOdOLLd)", samples, counts, sum, marked, seen, last, total);
+    result = Py_BuildValue("(OOdOLLdd)", samples, counts, sum, marked, seen, last, total,
+                           largest);
 done:
     Py_XDECREF(samples);
     Py_XDECREF(marked);
     Py_XDECREF(counts);
     free(tally);
     free(mark);
+    free(gaps);
     PyBuffer_Release(&ev);
     PyBuffer_Release(&bd);
     return result;

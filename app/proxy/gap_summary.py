@@ -73,26 +73,28 @@ class GapSummary:
                 self._count_in_bucket(gap, 1)
         self._count_in_bucket(gap_s, times)
 
-    def extend(self, gaps: list[float], total: float) -> None:
-        """One gap per token, in order: what as many `add(gap)` calls leave. `total` is the
-        running total they would reach, summed by the caller as `add` sums (`self.total` plus
-        each event's gap x its tokens), so the mean is the same to the bit."""
-        if not gaps:
+    def extend(self, gaps: bytes, total: float, largest: float) -> None:
+        """One gap per token, in order, as the bytes of native doubles (the replay's, in
+        itl_replay.py): what as many `add(gap)` calls leave. `total` is the running total they
+        would reach, summed by the caller as `add` sums (`self.total` plus each event's gap x
+        its tokens), so the mean is the same to the bit; `largest`, the largest gap of the
+        stream with them."""
+        added = len(gaps) // 8
+        if not added:
             return
-        self.count += len(gaps)
+        self.count += added
         self.total = total
-        largest = max(gaps)
         if largest > self.largest:
             self.largest = largest
         exact = self._exact
         if exact is not None:
-            if len(exact) + len(gaps) <= EXACT_LIMIT:
-                exact.extend(gaps)
+            if len(exact) + added <= EXACT_LIMIT:
+                exact.frombytes(gaps)
                 return
             self._exact = None
             for gap in exact:
                 self._count_in_bucket(gap, 1)
-        for gap in gaps:
+        for gap in array("d", gaps):
             self._count_in_bucket(gap, 1)
 
     def _count_in_bucket(self, gap_s: float, times: int) -> None:

@@ -8,7 +8,9 @@ reference the tests hold the extension to, and what runs where the extension is 
 
 Both return, for events of an exactly counted stream whose running count stood at `seen` and
 last rose at `last` (ns), with the stream's largest gap and gap total so far:
-- `samples`: one gap per token, in order (seconds; an event of k tokens gives k of gap / k);
+- `samples`: one gap per token, in order (seconds; an event of k tokens gives k of gap / k),
+  as the bytes of native doubles (`array('d').frombytes` takes them in one copy: no float
+  object per token);
 - `counts`: (bucket index, count) of those samples for each bucket of the ITL histogram
   (`bounds`, its upper bounds) that one fell in, in the buckets' order; None when there are
   no samples or no bounds;
@@ -17,8 +19,8 @@ last rose at `last` (ns), with the stream's largest gap and gap total so far:
   `exemplars`): the last gap in it that was the stream's largest so far when it came. A
   stream's exemplar goes with each such gap (timing.py), and of several in one bucket the last
   is the one a scrape would see;
-- the running count, the time it last rose, and the new gap total (summed as `GapSummary.add`
-  sums, gap x tokens per event).
+- the running count, the time it last rose, the new gap total (summed as `GapSummary.add`
+  sums, gap x tokens per event), and the stream's largest gap so far.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ from importlib import import_module
 
 NS = 1_000_000_000
 
-Replayed = tuple[list[float], list[tuple[int, int]] | None, float, list[tuple[int, float]], int,
-                 int, float]
-Replay = Callable[["array[int]", int, int, float, float, "array[float]", bool], Replayed]
+Replayed = tuple[bytes, list[tuple[int, int]] | None, float, list[tuple[int, float]], int, int,
+                 float, float]
+Replay = Callable[["array[int] | memoryview", int, int, float, float, "array[float]", bool],
+                  Replayed]
 
 
-def replay_py(events: array[int], seen: int, last: int, largest: float, total: float,
-              bounds: array[float], exemplars: bool) -> Replayed:
-    samples: list[float] = []
+def replay_py(events: array[int] | memoryview, seen: int, last: int, largest: float,
+              total: float, bounds: array[float], exemplars: bool) -> Replayed:
+    samples = array("d")
     counts = [0] * len(bounds)
     marks: dict[int, float] = {}
     sample_sum = 0.0
@@ -51,20 +54,22 @@ def replay_py(events: array[int], seen: int, last: int, largest: float, total: f
         seen, last = completion, now_ns
         total += gap_s * tokens
         samples.extend([gap_s] * tokens)
+        largest_yet = gap_s > largest
+        if largest_yet:
+            largest = gap_s
         if not bounds:
             continue
         bucket = bisect_left(bounds, gap_s)
         counts[bucket] += tokens
         for _ in range(tokens):
             sample_sum += gap_s
-        if gap_s > largest:
-            largest = gap_s
-            if exemplars:
-                marks[bucket] = gap_s
+        if largest_yet and exemplars:
+            marks[bucket] = gap_s
     if not samples or not bounds:
-        return samples, None, 0.0, [], seen, last, total
+        return samples.tobytes(), None, 0.0, [], seen, last, total, largest
     tallied = [(index, count) for index, count in enumerate(counts) if count]
-    return samples, tallied, sample_sum, sorted(marks.items()), seen, last, total
+    return (samples.tobytes(), tallied, sample_sum, sorted(marks.items()), seen, last, total,
+            largest)
 
 
 try:

@@ -23,7 +23,9 @@ def model_name(value: object) -> str | None:
         return None
     if len(value) > MODEL_NAME_MAX:
         value = value[: MODEL_NAME_MAX - 1] + "\u2026"
-    return _CONTROL.sub("\ufffd", value)
+    # A printable name holds no control character (they are all unprintable): nearly every
+    # name, kept without the substitution's pass.
+    return value if value.isprintable() else _CONTROL.sub("\ufffd", value)
 
 
 class ModelLabels:

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from array import array
 from enum import IntEnum
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Protocol
@@ -190,8 +189,8 @@ def replay(stream: Stream, timing: StreamTiming) -> tuple[int, int]:
     """Replay the events the thread logged since the last call into `timing`, as the Python
     path would have timed them; return (last read time, client blocked since) (0: none)."""
     events, last_read_ns, blocked_ns = stream.poll()
-    if events:
-        timing.exact_events(array("q", events))
+    if events:  # read in place, as int64s: no copy
+        timing.exact_events(memoryview(events).cast("q"))
     return last_read_ns, blocked_ns
 
 

@@ -17,7 +17,9 @@ import orjson
 from phasewatch.proxy.labels import model_name
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen: one is built per request, and a frozen dataclass's constructor costs several
+# times a plain one's (a `object.__setattr__` per field). Nothing changes one after it is built.
+@dataclass(slots=True)
 class RequestPlan:
     body: bytes  # what is sent upstream
     model: str | None

@@ -129,9 +129,10 @@ class StreamTiming:
                 self.overflow += 1
                 self._itl((now_ns - last) / NS, 1)
 
-    def exact_events(self, logged: array[int]) -> None:
+    def exact_events(self, logged: array[int] | memoryview) -> None:
         """Events of an exactly counted stream as (read time, completion tokens, prompt tokens
-        or -1) triples (the native leg's log, native.py; an array of int64): what `event()` on
+        or -1) triples (the native leg's log, native.py; int64s, as an array or a memoryview
+        cast to them): what `event()` on
         each in turn with its usage would do, in one pass (itl_replay.py): the ITL samples
         observed together as counts per bucket, the exemplar set where `_itl` would have set
         it last."""
@@ -155,10 +156,10 @@ class StreamTiming:
             return
         gaps, exemplar = self.gaps, self.exemplar
         assert self.last_output_ns is not None
-        samples, counts, sample_sum, marked, seen, last, total = replay_exact(
+        samples, counts, sample_sum, marked, seen, last, total, largest = replay_exact(
             logged, self.tokens_seen, self.last_output_ns, gaps.largest, gaps.total,
             self.itl_bounds, exemplar is not None)
-        gaps.extend(samples, total)
+        gaps.extend(samples, total, largest)
         self.tokens_seen, self.last_output_ns = seen, last
         self.completion_tokens = logged[-2]
         self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None
@@ -235,7 +236,7 @@ class StreamTiming:
         return None
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)  # one per request: not frozen, as `RequestPlan` (request_plan.py)
 class Figures:
     ttft_s: float | None
     e2e_s: float | None

@@ -24,6 +24,7 @@ from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy import gap_summary, itl_replay
 from phasewatch.proxy import timing as timing_module
 from phasewatch.proxy.gap_summary import GapSummary
+from phasewatch.proxy.labels import _CONTROL, model_name
 from phasewatch.proxy.request_plan import plan_request
 from phasewatch.proxy.stream import StreamFeed
 from phasewatch.proxy.timing import NS, PENDING_LIMIT, Exemplar, StreamTiming, figures
@@ -496,3 +497,14 @@ def test_the_extensions_replay_is_the_python_replay_to_the_bit(exemplars: bool) 
         assert itl_replay.replay_exact(*args) == itl_replay.replay_py(*args)
     with pytest.raises(ValueError):
         itl_replay.replay_exact(b"\0" * 23, 0, 0, 0.0, 0.0, bounds, False)
+
+
+def test_a_model_name_is_cleaned_of_every_control_character_and_only_of_those() -> None:
+    """`model_name` keeps a printable name as it is and runs the substitution on any other:
+    the same as substituting every name, for each character of the Basic Multilingual Plane
+    alone and among others."""
+    for code in range(0x10000):
+        name = f"m{chr(code)}x"
+        assert model_name(name) == _CONTROL.sub("\ufffd", name), hex(code)
+    assert model_name("a\x00b\x7fc\x9f") == "a\ufffdb\ufffdc\ufffd"
+    assert model_name("org/model-7b") == "org/model-7b"
