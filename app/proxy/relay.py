@@ -126,8 +126,11 @@ async def relay(
     timing = StreamTiming(arrival_ns)
     named = headers_named(scope, _NAMED)
     request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
-    # Filing a request under a benchmark run changes that run's figures: only an admin may.
-    run_id = named.get(RUN_ID) if ctx.admin.allows(scope["headers"], bearer=False) else None
+    # Filing a request under a benchmark run changes that run's figures: only an admin may
+    # (asked only of a request that names a run).
+    run_id = named.get(RUN_ID)
+    if run_id is not None and not ctx.admin.allows(scope["headers"], bearer=False):
+        run_id = None
     record = RequestRecord(
         request_id=request_id,
         started_at=datetime.now(UTC),
