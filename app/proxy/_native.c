@@ -1256,6 +1256,10 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         last = e[3 * i];
         total += gap * (double)tokens;
         if (tokens > cap - kept) {  /* an event of several tokens: room for them */
+            if (tokens > (int64_t)(PY_SSIZE_T_MAX / (Py_ssize_t)sizeof *gaps / 2 - kept)) {
+                PyErr_NoMemory();  /* a count no buffer holds (and no size that overflows) */
+                goto done;
+            }
             Py_ssize_t want = kept + (Py_ssize_t)tokens;
             if (want < 2 * cap) want = 2 * cap;
             double *grown = realloc(gaps, (size_t)want * sizeof *gaps);

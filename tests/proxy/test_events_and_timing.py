@@ -497,6 +497,9 @@ def test_the_extensions_replay_is_the_python_replay_to_the_bit(exemplars: bool) 
         assert itl_replay.replay_exact(*args) == itl_replay.replay_py(*args)
     with pytest.raises(ValueError):
         itl_replay.replay_exact(b"\0" * 23, 0, 0, 0.0, 0.0, bounds, False)
+    # A running count that jumps past any buffer is refused, not written past one.
+    with pytest.raises(MemoryError):
+        itl_replay.replay_exact(array("q", [10**9, 2**62, -1]), 0, 0, 0.0, 0.0, bounds, False)
 
 
 def test_a_model_name_is_cleaned_of_every_control_character_and_only_of_those() -> None:
