@@ -7,6 +7,11 @@ client did not ask for, touching no other byte of the event; `system_fingerprint
 `add_fingerprint` move vLLM's fingerprint from the usage chunk phasewatch drops back onto the
 terminal chunk, where vLLM puts it when the client did not ask for usage. None of these
 re-serialises an event.
+
+A token count in `usage` is taken only as what it can be (`token_count`): an integer from 0 to
+`MAX_TOKEN_COUNT`. Anything else (a string, a float, a negative or impossibly large number) is
+read as absent, as if the event had no such count: the timing never expands a broken count
+into that many token gaps, and a record never holds a number its column cannot.
 """
 
 from __future__ import annotations
@@ -15,6 +20,17 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 import orjson
+
+# No model's context holds this many tokens (2**24, 16.7 million): a larger count is not one.
+MAX_TOKEN_COUNT = 1 << 24
+
+
+def token_count(value: object) -> int | None:
+    """A usage count as timing and records take it: an int (not a bool) from 0 to
+    MAX_TOKEN_COUNT; None for anything else."""
+    if type(value) is int and 0 <= value <= MAX_TOKEN_COUNT:
+        return value
+    return None
 
 
 class Kind(Enum):
@@ -60,8 +76,8 @@ def classify(data: bytes) -> EventInfo:
     usage = obj.get("usage")
     completion = prompt = None
     if isinstance(usage, dict):
-        completion = usage.get("completion_tokens")
-        prompt = usage.get("prompt_tokens")
+        completion = token_count(usage.get("completion_tokens"))
+        prompt = token_count(usage.get("prompt_tokens"))
     has_usage = isinstance(usage, dict)
     choices = obj.get("choices")
     if not isinstance(choices, list):

@@ -70,6 +70,7 @@
 #define IN_CAP (64 * 1024)    /* a chunk longer than this goes back to Python */
 #define HEAD_CAP (16 * 1024)  /* an upstream head longer than this goes back to Python */
 #define MAX_EVENTS 256
+#define MAX_TOKEN_COUNT (1LL << 24)  /* events.MAX_TOKEN_COUNT: a larger count is not one */
 #define NATIVE_THREAD_NAME "pw-native-relay"  /* 15 characters: Linux's limit */
 
 /* Where a stream started at its head stands with the upstream's head. */
@@ -214,7 +215,9 @@ static const char *usage_object(const char *p, const char *end, int depth,
             p = json_int(p, end, &v);
             if (p == NULL) return NULL;
             if (slot != NULL) {
-                if (v < 0) return NULL;  /* kept out of the -1/-2 codes: Python reads it */
+                /* Kept out of the -1/-2 codes, and past MAX_TOKEN_COUNT not a count
+                 * (events.token_count): Python reads it. */
+                if (v < 0 || v > MAX_TOKEN_COUNT) return NULL;
                 *slot = v;
             }
         }
@@ -1222,7 +1225,8 @@ static Py_ssize_t bucket_of(const double *b, Py_ssize_t nb, double x) {
 
 /* replay_exact(events, seen, last, largest, total, bounds, exemplars): what
  * `itl_replay.replay_py` computes (its docstring says what each value is), the same doubles
- * by the same operations in the same order. */
+ * by the same operations in the same order. Its work and memory go with the events, not with
+ * the tokens they say they carry: one gap and one count per event. */
 static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_buffer ev, bd;
     long long seen, last;
@@ -1231,54 +1235,55 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*LLddy*p", &ev, &seen, &last, &largest, &total, &bd,
                           &exemplars))
         return NULL;
-    PyObject *samples = NULL, *marked = NULL, *counts = NULL, *result = NULL;
+    PyObject *samples = NULL, *tokens_of = NULL, *marked = NULL, *counts = NULL, *result = NULL;
     int64_t *tally = NULL;
     double *mark = NULL;  /* per bucket: the last gap that was the largest so far (NaN: none) */
-    double *gaps = NULL;  /* one per token, in order: `samples`, as native doubles */
+    double *gaps = NULL;  /* one per event that carried tokens, in order: `gaps` */
+    int64_t *tokens_in = NULL;  /* the tokens each of them carried: `tokens` */
     if (ev.len % 24 != 0 || bd.len % 8 != 0) {
         PyErr_SetString(PyExc_ValueError, "events are int64 triples and bounds doubles");
         goto done;
     }
     const int64_t *e = ev.buf;
     const double *b = bd.buf;
-    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, observed = 0, kept = 0, cap = n ? n : 1;
+    Py_ssize_t n = ev.len / 24, nb = bd.len / 8, kept = 0;
+    int several = 0;  /* an event carried more than one token */
     double sum = 0.0;
+    int64_t observed = 0;
     tally = calloc((size_t)(nb ? nb : 1), sizeof *tally);
     mark = malloc((size_t)(nb ? nb : 1) * sizeof *mark);
-    gaps = malloc((size_t)cap * sizeof *gaps);
-    if (tally == NULL || mark == NULL || gaps == NULL) { PyErr_NoMemory(); goto done; }
+    gaps = malloc((size_t)(n ? n : 1) * sizeof *gaps);
+    tokens_in = malloc((size_t)(n ? n : 1) * sizeof *tokens_in);
+    if (tally == NULL || mark == NULL || gaps == NULL || tokens_in == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < nb; i++) mark[i] = NAN;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t completion = e[3 * i + 1], tokens = completion - seen;
-        if (tokens <= 0) continue;
+        if (tokens <= 0 || completion > MAX_TOKEN_COUNT) continue;
         double gap = (double)(e[3 * i] - last) / 1e9 / (double)tokens;
         seen = completion;
         last = e[3 * i];
         total += gap * (double)tokens;
-        if (tokens > cap - kept) {  /* an event of several tokens: room for them */
-            if (tokens > (int64_t)(PY_SSIZE_T_MAX / (Py_ssize_t)sizeof *gaps / 2 - kept)) {
-                PyErr_NoMemory();  /* a count no buffer holds (and no size that overflows) */
-                goto done;
-            }
-            Py_ssize_t want = kept + (Py_ssize_t)tokens;
-            if (want < 2 * cap) want = 2 * cap;
-            double *grown = realloc(gaps, (size_t)want * sizeof *gaps);
-            if (grown == NULL) { PyErr_NoMemory(); goto done; }
-            gaps = grown;
-            cap = want;
-        }
-        for (int64_t k = 0; k < tokens; k++) gaps[kept++] = gap;
+        gaps[kept] = gap;
+        tokens_in[kept++] = tokens;
+        if (tokens > 1) several = 1;
         int largest_yet = gap > largest;
         if (largest_yet) largest = gap;
         if (nb == 0) continue;
         Py_ssize_t bucket = bucket_of(b, nb, gap);
         tally[bucket] += tokens;
-        for (int64_t k = 0; k < tokens; k++) sum += gap;  /* one by one, as sum() adds */
+        sum += gap * (double)tokens;
         observed += tokens;
         if (largest_yet && exemplars) mark[bucket] = gap;
     }
     samples = PyBytes_FromStringAndSize((const char *)gaps, kept * (Py_ssize_t)sizeof *gaps);
     if (samples == NULL) goto done;
+    tokens_of = several ? PyBytes_FromStringAndSize((const char *)tokens_in,
+                                                    kept * (Py_ssize_t)sizeof *tokens_in)
+                        : Py_NewRef(Py_None);
+    if (tokens_of == NULL) goto done;
     if (observed > 0) {
         counts = PyList_New(0);
         marked = PyList_New(0);
@@ -1306,15 +1311,17 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         marked = PyList_New(0);
         if (marked == NULL) goto done;
     }
-    result = Py_BuildValue("(OOdOLLdd)", samples, counts, sum, marked, seen, last, total,
-                           largest);
+    result = Py_BuildValue("(OOOdOLLdd)", samples, tokens_of, counts, sum, marked, seen, last,
+                           total, largest);
 done:
     Py_XDECREF(samples);
+    Py_XDECREF(tokens_of);
     Py_XDECREF(marked);
     Py_XDECREF(counts);
     free(tally);
     free(mark);
     free(gaps);
+    free(tokens_in);
     PyBuffer_Release(&ev);
     PyBuffer_Release(&bd);
     return result;

@@ -15,6 +15,7 @@ import math
 from array import array
 from collections.abc import Callable
 from importlib import import_module
+from itertools import repeat
 
 from phasewatch.core.quantiles import percentile
 
@@ -73,15 +74,18 @@ class GapSummary:
                 self._count_in_bucket(gap, 1)
         self._count_in_bucket(gap_s, times)
 
-    def extend(self, gaps: bytes, total: float, largest: float) -> None:
-        """One gap per token, in order, as the bytes of native doubles (the replay's, in
-        itl_replay.py): what as many `add(gap)` calls leave. `total` is the running total they
-        would reach, summed by the caller as `add` sums (`self.total` plus each event's gap x
-        its tokens), so the mean is the same to the bit; `largest`, the largest gap of the
-        stream with them."""
-        added = len(gaps) // 8
-        if not added:
+    def extend(self, gaps: bytes, tokens: bytes | None, total: float, largest: float) -> None:
+        """Token-carrying events, as the replay gives them (itl_replay.py): each one's gap, in
+        order, as the bytes of native doubles, and the tokens each carried as the bytes of
+        int64s (None: one each). What `add(gap, k)` on each in turn leaves. `total` is the
+        running total that reaches, summed by the caller as `add` sums (`self.total` plus each
+        event's gap x its tokens), so the mean is the same to the bit; `largest`, the largest
+        gap of the stream with them. The work goes with the events, not the tokens, once the
+        gaps are past `EXACT_LIMIT`."""
+        if not gaps:
             return
+        runs = None if tokens is None else memoryview(tokens).cast("q")
+        added = len(gaps) // 8 if runs is None else sum(runs)
         self.count += added
         self.total = total
         if largest > self.largest:
@@ -89,13 +93,21 @@ class GapSummary:
         exact = self._exact
         if exact is not None:
             if len(exact) + added <= EXACT_LIMIT:
-                exact.frombytes(gaps)
+                if runs is None:
+                    exact.frombytes(gaps)
+                else:
+                    for gap, k in zip(memoryview(gaps).cast("d"), runs, strict=True):
+                        exact.extend(repeat(gap, k))
                 return
             self._exact = None
             for gap in exact:
                 self._count_in_bucket(gap, 1)
-        for gap in array("d", gaps):
-            self._count_in_bucket(gap, 1)
+        if runs is None:
+            for gap in memoryview(gaps).cast("d"):
+                self._count_in_bucket(gap, 1)
+        else:
+            for gap, k in zip(memoryview(gaps).cast("d"), runs, strict=True):
+                self._count_in_bucket(gap, k)
 
     def _count_in_bucket(self, gap_s: float, times: int) -> None:
         key = math.ceil(math.log(gap_s) / _LOG_GAMMA) - 1 if gap_s > 0 else _ZERO

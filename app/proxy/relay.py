@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from phasewatch.core.events import token_count
 from phasewatch.core.live import InFlight
 from phasewatch.core.metrics import request_exemplar
 from phasewatch.core.records import Outcome, RequestRecord
@@ -878,8 +879,8 @@ def _read_usage(body: bytes, timing: StreamTiming) -> None:
     except (orjson.JSONDecodeError, AttributeError):
         return
     if isinstance(usage, dict):
-        timing.completion_tokens = usage.get("completion_tokens")
-        timing.prompt_tokens = usage.get("prompt_tokens")
+        timing.completion_tokens = token_count(usage.get("completion_tokens"))
+        timing.prompt_tokens = token_count(usage.get("prompt_tokens"))
 
 
 def _error_type(body: bytes, status: int) -> str:

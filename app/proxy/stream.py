@@ -31,6 +31,7 @@ from phasewatch.core.events import (
     cut_usage,
     strip_usage,
     system_fingerprint,
+    token_count,
     usage_span,
 )
 from phasewatch.core.records import Outcome, RequestRecord
@@ -126,12 +127,12 @@ class StreamFeed:
             usage = orjson.loads(data[start + len(USAGE_KEY) - 1:end + 1])
         except orjson.JSONDecodeError:
             return None
-        completion = usage.get("completion_tokens")
-        if type(completion) is not int:
+        completion = token_count(usage.get("completion_tokens"))
+        if completion is None:
             return None
         timing = self._timing
         timing.completion_tokens = completion
-        timing.prompt_tokens = usage.get("prompt_tokens")
+        timing.prompt_tokens = token_count(usage.get("prompt_tokens"))
         timing.event(now, completion, 0)
         return cut_usage(data, start, end) if self._strip_chunk else data
 

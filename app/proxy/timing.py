@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -156,10 +157,10 @@ class StreamTiming:
             return
         gaps, exemplar = self.gaps, self.exemplar
         assert self.last_output_ns is not None
-        samples, counts, sample_sum, marked, seen, last, total, largest = replay_exact(
+        event_gaps, tokens, counts, sample_sum, marked, seen, last, total, largest = replay_exact(
             logged, self.tokens_seen, self.last_output_ns, gaps.largest, gaps.total,
             self.itl_bounds, exemplar is not None)
-        gaps.extend(samples, total, largest)
+        gaps.extend(event_gaps, tokens, total, largest)
         self.tokens_seen, self.last_output_ns = seen, last
         self.completion_tokens = logged[-2]
         self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None
@@ -191,10 +192,16 @@ class StreamTiming:
         exemplar = self.exemplar if gap_s > gaps.largest else None
         gaps.add(gap_s, tokens)
         try:
+            if tokens > 1 and self.itl_bounds:
+                # k samples of one gap in one call, as the replay observes them: no call per
+                # token of a count the upstream sent.
+                bucket = bisect_left(self.itl_bounds, gap_s)
+                self.observe_itl_counts([(bucket, tokens)], gap_s * tokens, [(bucket, gap_s)],
+                                        exemplar)
+                return
             self.observe_itl(gap_s, exemplar)
-            if tokens > 1:
-                for _ in range(tokens - 1):
-                    self.observe_itl(gap_s, None)
+            for _ in range(tokens - 1):  # (no histogram's bounds: the metrics are elsewhere)
+                self.observe_itl(gap_s, None)
         except Exception:  # metrics must never break a stream
             log.exception("could not observe an ITL")
 

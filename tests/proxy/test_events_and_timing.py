@@ -12,11 +12,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasewatch.core.events import (
+    MAX_TOKEN_COUNT,
     Kind,
     add_fingerprint,
     classify,
     strip_usage,
     system_fingerprint,
+    token_count,
 )
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.quantiles import percentile
@@ -497,9 +499,69 @@ def test_the_extensions_replay_is_the_python_replay_to_the_bit(exemplars: bool) 
         assert itl_replay.replay_exact(*args) == itl_replay.replay_py(*args)
     with pytest.raises(ValueError):
         itl_replay.replay_exact(b"\0" * 23, 0, 0, 0.0, 0.0, bounds, False)
-    # A running count that jumps past any buffer is refused, not written past one.
-    with pytest.raises(MemoryError):
-        itl_replay.replay_exact(array("q", [10**9, 2**62, -1]), 0, 0, 0.0, 0.0, bounds, False)
+
+
+@pytest.mark.parametrize("replay", REPLAYS)
+def test_the_replays_work_goes_with_the_events_not_the_tokens_they_claim(replay: Any) -> None:
+    """An event that says it carries millions of tokens is one gap and one count in what the
+    replay returns, not millions; a count past MAX_TOKEN_COUNT (2**62 here, as a broken
+    upstream might send) carries no token at all, and the count goes on from where it
+    stood."""
+    bounds = array("d", [0.001, 0.02, 1.0, float("inf")])
+    big = MAX_TOKEN_COUNT - 3
+    log = array("q", [1 * NS, 2, 7, 2 * NS, 3, 7, 3 * NS, 2**62, 7, 4 * NS, MAX_TOKEN_COUNT, 7])
+    gaps, tokens, counts, sample_sum, _, seen, last, total, largest = replay(
+        log, 1, 0, 0.0, 0.0, bounds, False)
+    assert array("d", gaps).tolist() == [1.0, 1.0, 2.0 / big]  # 1 s, 1 s, then 2 s / big
+    assert tokens is not None and array("q", tokens).tolist() == [1, 1, big]
+    assert counts == [(0, big), (2, 2)]
+    assert (seen, last, largest) == (MAX_TOKEN_COUNT, 4 * NS, 1.0)
+    assert sample_sum == total == 1.0 + 1.0 + 2.0 / big * big
+    # What the stream's record keeps of it: the same as `add` on each event, in a bounded
+    # summary (past the exact limit: buckets).
+    summary, reference = GapSummary(), GapSummary()
+    summary.extend(gaps, tokens, total, largest)
+    for gap, k in zip(array("d", gaps), array("q", tokens), strict=True):
+        reference.add(gap, k)
+    assert summary.summary() == reference.summary() and not summary.exact
+    assert summary.count == 2 + big
+
+
+def test_gap_summary_takes_the_replays_events_as_add_takes_them() -> None:
+    """`extend` with one token per event, and with several, before and across the exact
+    limit: the same summary as `add` on each event in turn."""
+    rng = random.Random(3)
+    for per_event in (None, (1, 1, 2, 5)):
+        summary, reference = GapSummary(), GapSummary()
+        for _ in range(300):  # 3,000 tokens or more: the limit is crossed inside a batch
+            gaps = array("d", [rng.lognormvariate(-4, 0.6) for _ in range(10)])
+            counts = array("q", [1 if per_event is None else rng.choice(per_event)
+                                 for _ in gaps])
+            for gap, k in zip(gaps, counts, strict=True):
+                reference.add(gap, k)
+            summary.extend(gaps.tobytes(), None if per_event is None else counts.tobytes(),
+                           reference.total, reference.largest)
+            assert summary.summary() == reference.summary()
+            assert summary.exact == reference.exact
+        assert not summary.exact
+
+
+def test_a_usage_count_is_taken_only_as_what_it_can_be() -> None:
+    """A count that is not an integer from 0 to MAX_TOKEN_COUNT reads as absent, in every
+    kind of event that carries usage."""
+    for value, read in [(0, 0), (12, 12), (MAX_TOKEN_COUNT, MAX_TOKEN_COUNT),
+                        (MAX_TOKEN_COUNT + 1, None), (2**70, None), (-1, None), ("12", None),
+                        (12.0, None), (True, None), (None, None), ([1], None)]:
+        assert token_count(value) == read
+        number = b"%d" % value if type(value) is int else orjson.dumps(value)  # 2**70 too
+        usage = b'{"prompt_tokens":%b,"completion_tokens":%b}' % (number, number)
+        chunk = b'{"choices":[{"index":0,"text":"x","finish_reason":null}],"usage":%b}' % usage
+        info = classify(chunk)
+        assert (info.kind, info.completion_tokens, info.prompt_tokens) == (Kind.OUTPUT, read,
+                                                                           read)
+        info = classify(b'{"choices":[],"usage":%b}' % usage)
+        assert (info.kind, info.completion_tokens, info.prompt_tokens) == (Kind.USAGE, read,
+                                                                           read)
 
 
 def test_a_model_name_is_cleaned_of_every_control_character_and_only_of_those() -> None:

@@ -215,6 +215,38 @@ def test_the_client_gets_the_same_bytes_and_the_record_the_same_figures(
     assert native.sample(itl, labels) == python.sample(itl, labels) == 89
 
 
+def _count_as(event: bytes, count: bytes) -> bytes:
+    """The chunk with its running completion count written as `count` (raw JSON)."""
+    head, _, tail = event.rpartition(b'"completion_tokens":')
+    return head + b'"completion_tokens":' + count + tail[tail.index(b"}"):]
+
+
+@pytest.mark.parametrize("body", [ASK, ASK_USAGE], ids=["usage-cut", "usage-asked"])
+def test_a_running_count_that_is_not_one_is_read_as_absent_alike(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,
+        body: dict[str, Any]) -> None:
+    """Chunks whose running count is past MAX_TOKEN_COUNT, negative, a string or a float (a
+    broken upstream) carry their tokens into the next count, on both paths: the client gets
+    every byte as the upstream sent it (what the client asked for), the record the right
+    totals, and nothing is expanded into 2**40 token gaps."""
+    broken = {11: b"1099511627776", 15: b"-3", 20: b'"20"', 25: b"25.0"}
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *[
+        _frame(_count_as(_chunk(f"t{i}", i), broken[i]) if i in broken else _chunk(f"t{i}", i))
+        for i in range(1, 31)], *_ending(30)]
+    native, python = two_proxies
+    got = _stream(native.url, body)
+    assert got == _stream(python.url, body)
+    assert got.endswith(b"data: [DONE]\n\n")
+    if body is ASK_USAGE:  # relayed as they came
+        assert b'"completion_tokens":1099511627776' in got and b'"completion_tokens":"20"' in got
+    for record in (native.next_record(), python.next_record()):
+        assert (record.outcome, record.output_tokens, record.prompt_tokens) == ("ok", 30, 7)
+        assert record.tokens_exact and record.itl_count == 29
+    itl = "phasewatch_inter_token_latency_seconds_count"
+    labels = {"model": "m", "endpoint": "chat.completions"}
+    assert native.sample(itl, labels) == python.sample(itl, labels) == 29
+
+
 def test_a_write_larger_than_the_native_legs_buffer_is_relayed_whole(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:
     # Once the thread holds the stream, ~220 KB arrive in one write with the stream's end in
