@@ -40,6 +40,7 @@ first token and every chunk Python relays for that long, once a second.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ from phasewatch.core.live import InFlight, LiveCounts
 
 if TYPE_CHECKING:
     from phasewatch.proxy.native import NativeRelay
+
+log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
@@ -207,7 +210,10 @@ class LiveStreams:
             if start:
                 await asyncio.sleep(0)
             for exchange in exchanges[start:start + SLICE]:
-                exchange.refresh(now_ns, every_ns)
+                try:
+                    exchange.refresh(now_ns, every_ns)
+                except Exception:  # one exchange's fault must not stop the others' timeouts
+                    log.exception("could not bring an open stream up to date")
         return exchanges
 
     async def before_render(self) -> None:
@@ -275,12 +281,20 @@ class LiveStreams:
             if start:
                 await asyncio.sleep(0)
             for exchange in chosen[start:start + SLICE]:
-                exchange.refresh(replayed_ns, 0)  # its gaps so far, for its ITL figures
-                values.append(exchange.in_flight(now_ns, wall_now))
+                try:
+                    exchange.refresh(replayed_ns, 0)  # its gaps so far, for its ITL figures
+                    values.append(exchange.in_flight(now_ns, wall_now))
+                except Exception:  # left out; the others are still worth publishing
+                    log.exception("could not take an open stream into the snapshot")
         return values
 
     async def run(self) -> None:
+        """A pass every `period_s` until cancelled. A pass that fails is logged and the next
+        one comes as usual: the timeouts of every open stream depend on this loop."""
         while True:
             await asyncio.sleep(self.period_s)
-            refreshed = await self.refresh()
-            self.check(perf_counter_ns(), refreshed)
+            try:
+                refreshed = await self.refresh()
+                self.check(perf_counter_ns(), refreshed)
+            except Exception:
+                log.exception("a pass over the open streams failed")

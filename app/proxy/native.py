@@ -190,7 +190,10 @@ def replay(stream: Stream, timing: StreamTiming) -> tuple[int, int]:
     path would have timed them; return (last read time, client blocked since) (0: none)."""
     events, last_read_ns, blocked_ns = stream.poll()
     if events:  # read in place, as int64s: no copy
-        timing.exact_events(memoryview(events).cast("q"))
+        try:
+            timing.exact_events(memoryview(events).cast("q"))
+        except Exception:  # timing must never stop a stream from going on, or ending
+            log.exception("could not replay a native stream's timing")
     return last_read_ns, blocked_ns
 
 

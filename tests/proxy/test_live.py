@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Callable
+from time import perf_counter_ns
 from typing import Any
 
 import httpx
@@ -194,6 +195,41 @@ def test_a_pass_replays_a_native_log_only_when_due_a_snapshot_and_a_scrape_alway
         await registry.refresh(full=True)
         await registry.snapshot(10 * NS)
         assert all(e.replay_every == [int(REPLAY_S * NS), 0, 0] for e in exchanges)
+
+    asyncio.run(main())
+
+
+class BrokenExchange(FakeExchange):
+    """An open stream whose catching up always fails (a fault in its replay, say)."""
+
+    def refresh(self, now_ns: int, every_ns: int) -> None:
+        super().refresh(now_ns, every_ns)
+        raise RuntimeError("replay failed")
+
+
+def test_a_stream_that_cannot_be_brought_up_to_date_stops_no_other_streams_timeout() -> None:
+    """The passes go on past an open stream whose refresh raises, and past a failed pass: a
+    silent stream beside it is still ended by the idle timeout, and the snapshot still holds
+    every other stream."""
+    async def main() -> None:
+        registry = LiveStreams(idle_s=0.2, stall_s=5.0)
+        later = perf_counter_ns() + 3600 * NS  # read "later": never silent here
+        broken = BrokenExchange("a", 0, None, last_read_ns=later)
+        reading = FakeExchange("b", 0, 1, last_read_ns=later)
+        silent = FakeExchange("c", 0, 1, last_read_ns=0)
+        ended = asyncio.Event()
+        silent.idle_timeout = ended.set  # type: ignore[method-assign]
+        for exchange in (broken, reading, silent):
+            registry.watch(exchange)
+            registry.hold(exchange)
+        task = asyncio.create_task(registry.run())
+        try:
+            await asyncio.wait_for(ended.wait(), timeout=10)
+            assert broken.refreshed >= 1 and reading.refreshed >= 1 and not task.done()
+            snapshot = await registry.snapshot()
+            assert [s.model for s in snapshot] == ["b"]  # the broken one left out
+        finally:
+            task.cancel()
 
     asyncio.run(main())
 
