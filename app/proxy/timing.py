@@ -200,7 +200,8 @@ class StreamTiming:
                                         exemplar)
                 return
             self.observe_itl(gap_s, exemplar)
-            for _ in range(tokens - 1):  # (no histogram's bounds: the metrics are elsewhere)
+            # No histogram bound (its bounds unset): one call per token, to whatever listens.
+            for _ in range(tokens - 1):
                 self.observe_itl(gap_s, None)
         except Exception:  # metrics must never break a stream
             log.exception("could not observe an ITL")
