@@ -73,6 +73,7 @@ class RawUpstream:
     def __init__(self) -> None:
         self.script: list[bytes | float | None] = []
         self.head_delay = 0.0  # seconds before the head (a queue, a prefill)
+        self.head = HEAD  # the response's head, written before the script
         self.streamed_on = 0  # connections that carried a streamed request
         self.closed_by_peer = threading.Event()  # a write failed: the proxy closed the stream
         self.blocked = threading.Event()  # a write did not fit the socket: back-pressure
@@ -114,7 +115,7 @@ class RawUpstream:
                 await reader.readexactly(length)
                 if self.head_delay:
                     await asyncio.sleep(self.head_delay)
-                writer.write(HEAD)
+                writer.write(self.head)
                 for data in self.script:
                     if isinstance(data, float):
                         await asyncio.sleep(data)
@@ -245,6 +246,24 @@ def test_a_running_count_that_is_not_one_is_read_as_absent_alike(
     itl = "phasewatch_inter_token_latency_seconds_count"
     labels = {"model": "m", "endpoint": "chat.completions"}
     assert native.sample(itl, labels) == python.sample(itl, labels) == 29
+
+
+def test_a_whole_answers_count_that_is_not_one_is_read_as_absent(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    """A non-streamed answer whose usage holds no counts (2**40, a string): the client gets
+    the body as it came, and the record holds no token counts rather than those."""
+    body = (b'{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,'
+            b'"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],'
+            b'"usage":{"prompt_tokens":"7","completion_tokens":1099511627776}}')
+    raw_upstream.head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body))
+    raw_upstream.script = [body]
+    proxy = make_proxy(raw_upstream.url)
+    answer = httpx.post(proxy.url + "/v1/chat/completions", json={**ASK, "stream": False},
+                        timeout=30)
+    assert answer.status_code == 200 and answer.content == body
+    record = proxy.next_record()
+    assert (record.outcome, record.output_tokens, record.prompt_tokens) == ("ok", None, None)
 
 
 def test_a_write_larger_than_the_native_legs_buffer_is_relayed_whole(
