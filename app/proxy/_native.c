@@ -1235,7 +1235,7 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*LLddy*p", &ev, &seen, &last, &largest, &total, &bd,
                           &exemplars))
         return NULL;
-    PyObject *samples = NULL, *tokens_of = NULL, *marked = NULL, *counts = NULL, *result = NULL;
+    PyObject *gaps_of = NULL, *tokens_of = NULL, *marked = NULL, *counts = NULL, *result = NULL;
     int64_t *tally = NULL;
     double *mark = NULL;  /* per bucket: the last gap that was the largest so far (NaN: none) */
     double *gaps = NULL;  /* one per event that carried tokens, in order: `gaps` */
@@ -1278,8 +1278,8 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         observed += tokens;
         if (largest_yet && exemplars) mark[bucket] = gap;
     }
-    samples = PyBytes_FromStringAndSize((const char *)gaps, kept * (Py_ssize_t)sizeof *gaps);
-    if (samples == NULL) goto done;
+    gaps_of = PyBytes_FromStringAndSize((const char *)gaps, kept * (Py_ssize_t)sizeof *gaps);
+    if (gaps_of == NULL) goto done;
     tokens_of = several ? PyBytes_FromStringAndSize((const char *)tokens_in,
                                                     kept * (Py_ssize_t)sizeof *tokens_in)
                         : Py_NewRef(Py_None);
@@ -1311,10 +1311,10 @@ static PyObject *replay_exact(PyObject *Py_UNUSED(m), PyObject *args) {
         marked = PyList_New(0);
         if (marked == NULL) goto done;
     }
-    result = Py_BuildValue("(OOOdOLLdd)", samples, tokens_of, counts, sum, marked, seen, last,
+    result = Py_BuildValue("(OOOdOLLdd)", gaps_of, tokens_of, counts, sum, marked, seen, last,
                            total, largest);
 done:
-    Py_XDECREF(samples);
+    Py_XDECREF(gaps_of);
     Py_XDECREF(tokens_of);
     Py_XDECREF(marked);
     Py_XDECREF(counts);
