@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
@@ -44,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.proxy.native import plain_fd
 
 CLIENT_LEG = "phasewatch.client_leg"
@@ -240,8 +240,8 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
     _take_ended: Callable[[], None] | None = None
-    _refused = 0  # (class-wide) connections refused so far
-    _refusals_logged_at = 0.0
+    # (Class-wide) the connections refused so far, logged at most every 10 s.
+    _refusals = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -255,14 +255,11 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
             self._refusing = True
             transport.write(OVER_CAPACITY)
             transport.close()
-            cls = PhasewatchHttpProtocol
-            cls._refused += 1
-            now = time.monotonic()
-            if now - cls._refusals_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-                cls._refusals_logged_at = now
+            refusals = PhasewatchHttpProtocol._refusals
+            if refusals.occurred() is not None:
                 log.warning("connection limit %d reached: %d connection(s) refused with 503 so "
                             "far (raise the open-file limit, or add workers/replicas)", limit,
-                            cls._refused)
+                            refusals.count)
 
     def data_received(self, data: bytes) -> None:
         if self._refusing:

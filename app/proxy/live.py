@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client import CollectorRegistry, Gauge
 
 from phasewatch.core.live import InFlight, LiveCounts
+from phasewatch.core.log_throttle import LogThrottle
 
 if TYPE_CHECKING:
     from phasewatch.proxy.native import NativeRelay
@@ -59,6 +60,9 @@ log = logging.getLogger(__name__)
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
 REPLAY_S = 5.0  # a pass replays a native stream's log this long after its last replay
+# A fault in a stream's refresh or in a pass recurs on every pass while it lasts: logged (with
+# its traceback) at most once per this many seconds, with how many went unlogged.
+FAULT_LOG_INTERVAL_S = 60.0
 
 
 class Watched(Protocol):
@@ -153,6 +157,11 @@ def live_counts(views: Iterable[tuple[LiveView, int]], now_ns: int,
     }
 
 
+_FAULTS = {"refresh": "could not bring an open stream up to date",
+           "snapshot": "could not take an open stream into the snapshot",
+           "pass": "a pass over the open streams failed"}
+
+
 class LiveStreams:
     def __init__(self, idle_s: float, stall_s: float, gauges: LiveGauges | None = None,
                  snapshot_limit: int = 1000, client_stall_s: float = 60.0,
@@ -169,6 +178,14 @@ class LiveStreams:
         self.native: NativeRelay | None = None
         self._open: set[Watched] = set()
         self._held: set[Watched] = set()  # those the native leg holds (`hold`)
+        self._faults = {kind: LogThrottle(FAULT_LOG_INTERVAL_S) for kind in _FAULTS}
+
+    def _fault(self, kind: str) -> None:
+        """Log the exception being handled, unless one of its `kind` was logged within
+        `FAULT_LOG_INTERVAL_S`."""
+        unlogged = self._faults[kind].occurred()
+        if unlogged is not None:
+            log.exception("%s (%d more since the last logged)", _FAULTS[kind], unlogged)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -213,7 +230,7 @@ class LiveStreams:
                 try:
                     exchange.refresh(now_ns, every_ns)
                 except Exception:  # one exchange's fault must not stop the others' timeouts
-                    log.exception("could not bring an open stream up to date")
+                    self._fault("refresh")
         return exchanges
 
     async def before_render(self) -> None:
@@ -285,7 +302,7 @@ class LiveStreams:
                     exchange.refresh(replayed_ns, 0)  # its gaps so far, for its ITL figures
                     values.append(exchange.in_flight(now_ns, wall_now))
                 except Exception:  # left out; the others are still worth publishing
-                    log.exception("could not take an open stream into the snapshot")
+                    self._fault("snapshot")
         return values
 
     async def run(self) -> None:
@@ -297,4 +314,4 @@ class LiveStreams:
                 refreshed = await self.refresh()
                 self.check(perf_counter_ns(), refreshed)
             except Exception:
-                log.exception("a pass over the open streams failed")
+                self._fault("pass")

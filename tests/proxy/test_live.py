@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasewatch.core.live import InFlight
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.proxy.live import REPLAY_S, SLICE, LiveGauges, LiveStreams, LiveView, live_counts
 from tests.conftest import Proxy
 from tests.support.served import parse_metrics, total, wait_for
@@ -232,6 +233,51 @@ def test_a_stream_that_cannot_be_brought_up_to_date_stops_no_other_streams_timeo
             task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_stream_that_keeps_failing_is_logged_once_per_interval_not_on_every_pass(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A refresh that fails on every pass logs its traceback once, then nothing more within
+    `FAULT_LOG_INTERVAL_S`, while the passes go on."""
+    async def main() -> None:
+        registry = LiveStreams(idle_s=0.2, stall_s=5.0)  # a pass every 50 ms
+        passes = asyncio.Event()
+
+        class Counted(BrokenExchange):
+            def refresh(self, now_ns: int, every_ns: int) -> None:
+                if self.refreshed >= 4:
+                    passes.set()
+                super().refresh(now_ns, every_ns)
+
+        broken = Counted("a", 0, None, last_read_ns=perf_counter_ns() + 3600 * NS)
+        registry.watch(broken)
+        registry.hold(broken)
+        task = asyncio.create_task(registry.run())
+        try:
+            await asyncio.wait_for(passes.wait(), timeout=10)
+        finally:
+            task.cancel()
+
+    with caplog.at_level("ERROR", logger="phasewatch.proxy.live"):
+        asyncio.run(main())
+    logged = [r for r in caplog.records if "could not bring an open stream up to date" in
+              r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    assert "(0 more since the last logged)" in logged[0].getMessage()
+
+
+def test_a_throttled_fault_is_logged_first_then_once_per_interval_with_the_unlogged_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("phasewatch.core.log_throttle.time.monotonic", lambda: clock[0])
+    throttle = LogThrottle(60.0)
+    assert throttle.occurred() == 0  # the first: at once
+    assert [throttle.occurred() for _ in range(3)] == [None, None, None]
+    clock[0] += 59.9
+    assert throttle.occurred() is None
+    clock[0] += 0.1
+    assert throttle.occurred() == 4  # four went unlogged since the first
+    assert throttle.occurred() is None and throttle.count == 7
 
 
 def test_a_pass_and_a_snapshot_give_the_event_loop_its_turn_between_slices() -> None:
