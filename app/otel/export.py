@@ -46,6 +46,7 @@ from opentelemetry.util.types import AttributeValue
 from yarl import URL
 
 from phasewatch import __version__
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.otel import signals
 from phasewatch.otel.conventions import OPERATIONS, SCHEMA_URL, error_type, instruments
@@ -84,6 +85,7 @@ class OtelExport:
                                   "server.address": upstream.host or "",
                                   "server.port": upstream.port or 0}
         self._by_label: dict[tuple[str, str], Attributes] = {}
+        self._begin_faults = LogThrottle()  # would recur per request: once a minute
         self.meter_provider: MeterProvider | None = None
         self.tracer_provider: TracerProvider | None = None
         if export_metrics:
@@ -121,7 +123,8 @@ class OtelExport:
         try:
             return self._begin(headers, endpoint, model, stream, arrival_ns)
         except Exception:
-            log.exception("could not start a span; the request is relayed untraced")
+            self._begin_faults.exception(
+                log, "could not start a span; the request is relayed untraced")
             return None
 
     def _begin(self, headers: Iterable[tuple[bytes, bytes]], endpoint: str, model: str | None,

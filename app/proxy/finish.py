@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.timing import StreamTiming, figures
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     from phasewatch.otel.export import RequestTrace
 
 log = logging.getLogger(__name__)
+# A fault that stays would recur on every request: each kind logged once a minute.
+_FINISH_FAULTS, _EXPORT_FAULTS = LogThrottle(), LogThrottle()
 
 
 def finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming,
@@ -25,13 +28,15 @@ def finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming,
     try:
         label = _finish(ctx, record, timing)
     except Exception:
-        log.exception("could not finish the record of request %s", record.request_id)
+        _FINISH_FAULTS.exception(log, "could not finish the record of request %s",
+                                 record.request_id)
         return
     if ctx.otel is not None:
         try:
             ctx.otel.finish(request_trace, record, label, timing.arrival_ns)
         except Exception:
-            log.exception("could not export request %s to OpenTelemetry", record.request_id)
+            _EXPORT_FAULTS.exception(log, "could not export request %s to OpenTelemetry",
+                                     record.request_id)
 
 
 def _finish(ctx: ProxyContext, record: RequestRecord, timing: StreamTiming) -> str:

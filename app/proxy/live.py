@@ -60,9 +60,6 @@ log = logging.getLogger(__name__)
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
 REPLAY_S = 5.0  # a pass replays a native stream's log this long after its last replay
-# A fault in a stream's refresh or in a pass recurs on every pass while it lasts: logged (with
-# its traceback) at most once per this many seconds, with how many went unlogged.
-FAULT_LOG_INTERVAL_S = 60.0
 
 
 class Watched(Protocol):
@@ -157,11 +154,6 @@ def live_counts(views: Iterable[tuple[LiveView, int]], now_ns: int,
     }
 
 
-_FAULTS = {"refresh": "could not bring an open stream up to date",
-           "snapshot": "could not take an open stream into the snapshot",
-           "pass": "a pass over the open streams failed"}
-
-
 class LiveStreams:
     def __init__(self, idle_s: float, stall_s: float, gauges: LiveGauges | None = None,
                  snapshot_limit: int = 1000, client_stall_s: float = 60.0,
@@ -178,14 +170,10 @@ class LiveStreams:
         self.native: NativeRelay | None = None
         self._open: set[Watched] = set()
         self._held: set[Watched] = set()  # those the native leg holds (`hold`)
-        self._faults = {kind: LogThrottle(FAULT_LOG_INTERVAL_S) for kind in _FAULTS}
-
-    def _fault(self, kind: str) -> None:
-        """Log the exception being handled, unless one of its `kind` was logged within
-        `FAULT_LOG_INTERVAL_S`."""
-        unlogged = self._faults[kind].occurred()
-        if unlogged is not None:
-            log.exception("%s (%d more since the last logged)", _FAULTS[kind], unlogged)
+        # A fault in a stream's refresh, its snapshot entry or a pass recurs on every pass
+        # while it lasts: each kind is logged at most once a minute (log_throttle.py).
+        self._refresh_faults, self._snapshot_faults, self._pass_faults = (
+            LogThrottle(), LogThrottle(), LogThrottle())
 
     def __len__(self) -> int:
         return len(self._open)
@@ -230,7 +218,8 @@ class LiveStreams:
                 try:
                     exchange.refresh(now_ns, every_ns)
                 except Exception:  # one exchange's fault must not stop the others' timeouts
-                    self._fault("refresh")
+                    self._refresh_faults.exception(
+                        log, "could not bring an open stream up to date")
         return exchanges
 
     async def before_render(self) -> None:
@@ -302,7 +291,8 @@ class LiveStreams:
                     exchange.refresh(replayed_ns, 0)  # its gaps so far, for its ITL figures
                     values.append(exchange.in_flight(now_ns, wall_now))
                 except Exception:  # left out; the others are still worth publishing
-                    self._fault("snapshot")
+                    self._snapshot_faults.exception(
+                        log, "could not take an open stream into the snapshot")
         return values
 
     async def run(self) -> None:
@@ -314,4 +304,4 @@ class LiveStreams:
                 refreshed = await self.refresh()
                 self.check(perf_counter_ns(), refreshed)
             except Exception:
-                self._fault("pass")
+                self._pass_faults.exception(log, "a pass over the open streams failed")

@@ -65,10 +65,14 @@ from enum import IntEnum
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Protocol
 
+from phasewatch.core.log_throttle import LogThrottle
+
 if TYPE_CHECKING:
     from phasewatch.proxy.timing import StreamTiming
 
 log = logging.getLogger(__name__)
+# A replay that keeps failing would be logged on every pass over the open streams.
+_REPLAY_FAULTS = LogThrottle()
 
 
 class Ending(IntEnum):
@@ -121,6 +125,8 @@ class NativeRelay:
         relay = import_module("phasewatch.proxy._native").Relay
         self._relay = relay() if QUIET_MS is None else relay(quiet_ms=QUIET_MS)
         self._open = True
+        # Faults that would recur per stream: each kind logged once a minute.
+        self._start_faults, self._hand_back_faults = LogThrottle(), LogThrottle()
         loop.add_reader(self._relay.fileno(), self._returned)
 
     def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
@@ -137,8 +143,9 @@ class NativeRelay:
             stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal,
                                                owner, head)
         except (OSError, RuntimeError):
-            log.warning("the native relay could not take a stream; it stays in Python",
-                        exc_info=True)
+            self._start_faults.exception(
+                log, "the native relay could not take a stream; it stays in Python",
+                level=logging.WARNING)
             return None
         return stream
 
@@ -164,7 +171,8 @@ class NativeRelay:
             try:
                 owner.native_returned(stream)
             except Exception:  # one exchange's fault must not strand the others
-                log.exception("could not take a stream back from the native relay")
+                self._hand_back_faults.exception(
+                    log, "could not take a stream back from the native relay")
 
     def close(self) -> None:
         """Stop the thread; a stream it still held goes back to its exchange first."""
@@ -193,7 +201,7 @@ def replay(stream: Stream, timing: StreamTiming) -> tuple[int, int]:
         try:
             timing.exact_events(memoryview(events).cast("q"))
         except Exception:  # timing must never stop a stream from going on, or ending
-            log.exception("could not replay a native stream's timing")
+            _REPLAY_FAULTS.exception(log, "could not replay a native stream's timing")
     return last_read_ns, blocked_ns
 
 

@@ -44,11 +44,14 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from enum import Enum
 
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.metrics import Exemplar, Observe, ObserveCounts
 from phasewatch.proxy.gap_summary import GapSummary, Summary
 from phasewatch.proxy.itl_replay import replay_exact
 
 log = logging.getLogger(__name__)
+# A metrics fault would recur on every token of every stream: logged once a minute.
+_OBSERVE_FAULTS = LogThrottle()
 
 NS = 1_000_000_000
 PENDING_LIMIT = 8192  # events that may wait for the final usage (16 bytes each)
@@ -168,7 +171,7 @@ class StreamTiming:
             try:
                 self.observe_itl_counts(counts, sample_sum, marked, exemplar)
             except Exception:  # metrics must never break a stream
-                log.exception("could not observe an ITL")
+                _OBSERVE_FAULTS.exception(log, "could not observe an ITL")
 
     def _first(self, now_ns: int, cumulative: int | None, chars: int) -> None:
         if cumulative is not None and self.single_choice:
@@ -185,7 +188,7 @@ class StreamTiming:
         try:
             self.observe_ttft((now_ns - self.arrival_ns) / NS, self.exemplar)
         except Exception:  # metrics must never break a stream
-            log.exception("could not observe a TTFT")
+            _OBSERVE_FAULTS.exception(log, "could not observe a TTFT")
 
     def _itl(self, gap_s: float, tokens: int) -> None:
         gaps = self.gaps
@@ -204,7 +207,7 @@ class StreamTiming:
             for _ in range(tokens - 1):
                 self.observe_itl(gap_s, None)
         except Exception:  # metrics must never break a stream
-            log.exception("could not observe an ITL")
+            _OBSERVE_FAULTS.exception(log, "could not observe an ITL")
 
     def settle(self) -> None:
         """The stream has ended: apportion what waited for the final usage (estimated only)."""

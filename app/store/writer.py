@@ -29,6 +29,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.records import RecordQueue, RequestRecord
 from phasewatch.store.models import RequestRow
@@ -108,6 +109,8 @@ class RecordWriter:
         self._failing_since: float | None = None
         self._connection: AsyncConnection | None = None  # kept between batches
         self._used_at = 0.0  # time.monotonic() of the kept connection's last batch
+        # A client can send a refused value on every request: logged once a minute.
+        self._refusals = LogThrottle()
 
     def failing_for_s(self) -> float:
         """How long storing has been failing (0 while it works)."""
@@ -198,8 +201,10 @@ class RecordWriter:
                 if not is_data_error(exc):
                     raise
                 self._metrics.records_rejected.inc()
-                log.warning("record refused by the database (%s: %s)", type(exc).__name__,
-                            str(exc)[:200])
+                unlogged = self._refusals.occurred()
+                if unlogged is not None:
+                    log.warning("record refused by the database (%s: %s; %d more since the "
+                                "last logged)", type(exc).__name__, str(exc)[:200], unlogged)
         self._metrics.records_written.inc(written)
         self._batch = []
         self._queue.release(len(rows))

@@ -20,6 +20,7 @@ from phasewatch.core.events import (
     system_fingerprint,
     token_count,
 )
+from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.quantiles import percentile
 from phasewatch.core.records import Outcome, RequestRecord
@@ -381,14 +382,20 @@ def test_exact_events_in_one_pass_leave_what_event_by_event_leaves(
     assert one_by_one.gaps.count == count - 1 > 3000
 
 
-def test_a_failing_histogram_never_breaks_the_stream() -> None:
+def test_a_failing_histogram_never_breaks_the_stream_nor_floods_the_log(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The fault is logged once (its traceback), not once per token of the stream."""
     def broken(_: float, __: object = None) -> None:
         raise RuntimeError("metrics are down")
 
+    monkeypatch.setattr(timing_module, "_OBSERVE_FAULTS", LogThrottle())
     t = StreamTiming(arrival_ns=0, observe_ttft=broken, observe_itl=broken)
-    t.event(10 * MS, 1, 1)
-    t.event(20 * MS, 2, 1)
-    assert t.first_output_ns == 10 * MS and t.gaps.count == 1
+    with caplog.at_level("ERROR", logger="phasewatch.proxy.timing"):
+        for i in range(1, 101):
+            t.event(10 * i * MS, i, 1)
+    assert t.first_output_ns == 10 * MS and t.gaps.count == 99
+    assert [r.getMessage() for r in caplog.records] == ["could not observe a TTFT"]
+    assert caplog.records[0].exc_info is not None
 
 
 def test_gap_summary_nearest_rank_while_exact() -> None:
