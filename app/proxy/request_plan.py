@@ -3,8 +3,12 @@
 To count tokens exactly, a streamed request asks the upstream for usage
 (`stream_options.include_usage`, plus `continuous_usage_stats` for per-chunk counts). What
 the client did not ask for is stripped from the response, so its stream is the one it would
-have had. Every other byte of the request is forwarded unchanged; a body that is not a JSON
-object is forwarded as it came, for the upstream to judge.
+have had. Every other byte of the request is forwarded unchanged: where the client sent no
+`stream_options`, the member is appended to its body's text as it came (its whitespace, key
+order, number spellings and string escapes kept); where it sent its own that must change, the
+body is written anew from its parsed value (the same JSON value: the same keys in the same
+order, but compact, numbers as orjson writes them, strings unescaped where JSON allows). A
+body that is not a JSON object is forwarded as it came, for the upstream to judge.
 """
 
 from __future__ import annotations
@@ -56,6 +60,22 @@ def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
     new_options = {**options, "include_usage": True}
     if add_continuous:
         new_options["continuous_usage_stats"] = True
-    obj["stream_options"] = new_options
-    return RequestPlan(orjson.dumps(obj), model, stream, not wants_usage, add_continuous, single,
-                       add_continuous or wants_continuous)
+    return RequestPlan(_with_options(body, obj, new_options), model, stream, not wants_usage,
+                       add_continuous, single, add_continuous or wants_continuous)
+
+
+_JSON_SPACE = b" \t\r\n"  # what RFC 8259 allows around a value (all orjson accepts)
+
+
+def _with_options(body: bytes, obj: dict[str, Any], options: dict[str, bool]) -> bytes:
+    """`body` (a JSON object, parsed as `obj`) with `stream_options` set to `options`."""
+    if "stream_options" not in obj:
+        # No member of that name, escaped or not: append one before the object's closing
+        # brace, the last byte of its text but for trailing whitespace. The object has a
+        # member already (`stream`), so a comma goes first.
+        text = body.rstrip(_JSON_SPACE)
+        if text.endswith(b"}"):
+            return b"".join((text[:-1], b',"stream_options":', orjson.dumps(options), b"}",
+                             body[len(text):]))
+    obj["stream_options"] = options
+    return orjson.dumps(obj)

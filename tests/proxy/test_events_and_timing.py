@@ -476,6 +476,33 @@ def test_plan_asks_for_usage_and_remembers_what_to_strip(
         assert orjson.loads(plan.body) == {**request, "stream_options": sent}
 
 
+ASKED = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+
+
+def test_plan_appends_stream_options_to_the_body_as_it_came() -> None:
+    """Spacing, key order, number spellings and escapes all reach the upstream as sent."""
+    body = (b'{ "model" : "m\\u00e9", "prompt": "a\\/b\\n\\"}", "stream": true,\n'
+            b'  "temperature": 1e-1, "seed": 1E5, "logit_bias": {"7": -1.50} }\r\n')
+    plan = plan_request(body, True)
+    head, tail = body.rsplit(b"}", 1)
+    assert plan.body == head + b"," + ASKED + b"}" + tail
+    assert orjson.loads(plan.body) == {**orjson.loads(body), "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}
+    assert (plan.model, plan.stream, plan.strip_final_usage, plan.strip_chunk_usage) == (
+        "m\u00e9", True, True, True)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"stream": true, "stream_options": null}',
+    b'{"stream": true, "stream\\u005foptions": null}',  # the same key, escaped
+    b'{"stream": true, "stream_options": {"include_usage": true}}',
+])
+def test_plan_writes_a_body_anew_where_its_own_stream_options_change(body: bytes) -> None:
+    """One `stream_options` member reaches the upstream, never a second beside the client's."""
+    plan = plan_request(body, True)
+    assert plan.body == b'{"stream":true,' + ASKED + b"}"
+
+
 def test_plan_leaves_non_streaming_and_non_json_bodies_alone() -> None:
     body = b'{"model":"m","prompt":"x"}'
     assert plan_request(body, True).body is body

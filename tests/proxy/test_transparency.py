@@ -77,6 +77,23 @@ def test_upstream_received_the_request_unchanged_but_for_stream_options(
     assert "sk-test" not in repr(record)
 
 
+def test_upstream_received_the_clients_bytes_with_stream_options_appended(
+    proxy: Proxy, scripted_url: str
+) -> None:
+    """Not only the same JSON value: the same text, spacing, escapes and numbers included."""
+    body = (b'{"model": "scripted",\n "prompt": "caf\\u00e9 \\/ x", "stream": true,'
+            b' "temperature": 1E-1, "max_tokens": 5}\n')
+    with httpx.stream("POST", proxy.url + "/v1/completions", content=body,
+                      headers={**HEADERS, "content-type": "application/json",
+                               "x-request-id": "verbatim-1"}) as response:
+        response.read()
+    sent = httpx.get(f"{scripted_url}/_log/verbatim-1").json()["body"].encode()
+    assert sent == (b'{"model": "scripted",\n "prompt": "caf\\u00e9 \\/ x", "stream": true,'
+                    b' "temperature": 1E-1, "max_tokens": 5,"stream_options":'
+                    b'{"include_usage":true,"continuous_usage_stats":true}}\n')
+    assert proxy.next_record().request_id == "verbatim-1"
+
+
 def test_request_id_is_minted_when_the_client_sends_none(proxy: Proxy) -> None:
     response = httpx.post(proxy.url + "/v1/completions", json={"model": "scripted", "prompt": "x"},
                           headers=HEADERS)
