@@ -3,12 +3,12 @@
 To count tokens exactly, a streamed request asks the upstream for usage
 (`stream_options.include_usage`, plus `continuous_usage_stats` for per-chunk counts). What
 the client did not ask for is stripped from the response, so its stream is the one it would
-have had. Every other byte of the request is forwarded unchanged: where the client sent no
-`stream_options`, the member is appended to its body's text as it came (its whitespace, key
-order, number spellings and string escapes kept); where it sent its own that must change, the
-body is written anew from its parsed value (the same JSON value: the same keys in the same
-order, but compact, numbers as orjson writes them, strings unescaped where JSON allows). A
-body that is not a JSON object is forwarded as it came, for the upstream to judge.
+have had. Where the client sent no `stream_options` (the usual case), the member is appended
+to its body's text, and every other byte goes upstream as it came: whitespace, key order,
+number spellings and string escapes. Where it sent its own that must change, the body is
+written anew from its parsed value: the same JSON value, the same keys in the same order, but
+compact, numbers as orjson writes them, strings unescaped where JSON allows. A body that is
+not a JSON object is forwarded as it came, for the upstream to judge.
 """
 
 from __future__ import annotations
