@@ -199,6 +199,11 @@ def create_app(
             native=native_relay(settings.native_relay),
         )
         live.native = app.state.proxy.native
+        if (settings.native_front and app.state.proxy.native is not None
+                and settings.upstream_continuous_usage and otel is None):
+            from phasewatch.proxy.front import Front
+            front = app.state.proxy.front = Front(app.state.proxy)
+            app.state.proxy.native.after_batch = front.restock
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
             asyncio.create_task(writer.run(), name="record-writer"),

@@ -81,6 +81,7 @@ enum { END_NONE = 0, END_HANDOVER = 1, END_ASKED = 2, END_UPSTREAM_EOF = 3,
        END_UPSTREAM_ERROR = 4, END_CLIENT_ERROR = 5, END_BODY = 6 };
 
 typedef struct Stream Stream;
+typedef struct Front Front;
 
 typedef struct {
     PyObject_HEAD
@@ -94,6 +95,19 @@ typedef struct {
     int closing;
     int64_t quiet_since; /* (thread) the oldest stream published without a wake (0: none) */
     int64_t quiet_ns;    /* how long such a stream waits at most (`QUIET_NS` unless told) */
+    /* The front (prototype): client connections the thread keeps between requests. */
+    Front *fronts;       /* kept, dormant or lent (under lock) */
+    Front *closed;       /* let go, waiting for Python (`closed()`, under lock) */
+    Stream *spares;      /* Python's streams for the front's requests (under lock) */
+    int front_on;        /* `front_config` was given */
+    int f_date_on;       /* the server writes a `date` header */
+    char *f_rest; Py_ssize_t f_rest_len;      /* the server's headers after `date` */
+    char *f_prefix; Py_ssize_t f_prefix_len;  /* the upstream's base path */
+    char *f_host; Py_ssize_t f_host_len;      /* the upstream's host header */
+    char *f_admin; Py_ssize_t f_admin_len;    /* the admin token header (never forwarded) */
+    Py_ssize_t f_max_body;
+    uint64_t f_rng;      /* request ids (not secrets) */
+    char f_date[40]; int64_t f_date_s;
 } Relay;
 
 struct Stream {
@@ -129,7 +143,31 @@ struct Stream {
     Py_ssize_t head_pre_len, head_rid_len, head_post_len;
     char *head_raw; Py_ssize_t head_raw_len;  /* the upstream's head once taken (under lock) */
     int64_t head_ns;          /* the time of the read that completed it */
+    /* The front (prototype). */
+    PyObject *keep;           /* Python's connection object: keep the connection at a clean end */
+    Front *kept;              /* the front kept at that end (dormant until `lend()`) */
+    Front *front;             /* the front whose request this stream answers */
+    int front_request;        /* started by the front: the facts below are set */
+    int64_t f_arrival_ns, f_wall_ns, f_sent_ns;
+    char f_rid[33];
+    char *f_model; Py_ssize_t f_model_len;    /* the body's `model` value, as JSON */
+    int f_endpoint;           /* 0 completions, 1 chat */
 };
+
+struct Front {
+    Relay *relay;
+    int client, up;           /* owned duplicates (-1 once closed) */
+    PyObject *owner;          /* Python's connection object; its reference goes with `closed()` */
+    Front *next, *prev;       /* in `fronts` or (next alone) `closed` */
+    char *buf; Py_ssize_t len;  /* the client's bytes of the next request */
+    int64_t first_ns, first_wall_ns;
+    Stream *stream;           /* the stream answering its request (NULL: idle) */
+    int lent;                 /* Python paused its own reads: the client's reads are the thread's */
+    int why;                  /* FRONT_* once let go */
+};
+
+enum { FRONT_EOF = 1, FRONT_PYTHON = 2, FRONT_STREAM = 3, FRONT_ASKED = 4 };
+#define FRONT_CAP (64 * 1024)
 
 static PyTypeObject StreamType;
 
@@ -397,13 +435,23 @@ static void unblock(Stream *s) {
 /* Hand the stream back (thread only, lock held): out of epoll and `active`, its descriptors
  * closed; Python hears of it when the current batch of events is done (`publish`), so that
  * nothing later in the batch can touch a stream Python has already let go. */
+static void front_let_go(Relay *r, Front *f, int why);
+
 static void hand_back(Relay *r, Stream *s, int ending) {
     s->ending = ending;
     /* Out of the set before the close: the event loop's own descriptors keep the sockets open,
      * and with them the registration. Only one of the two is in the set (`block`). */
-    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->blocked ? s->client : s->up, NULL);
-    close(s->up); close(s->client);
+    if (s->up >= 0) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->blocked ? s->client : s->up, NULL);
+    if (s->up >= 0) close(s->up);
+    if (s->client >= 0) close(s->client);
     s->up = s->client = -1;
+    if (s->front != NULL) {  /* the front's descriptors were the stream's: it goes too */
+        Front *f = s->front;
+        s->front = NULL;
+        f->stream = NULL;
+        f->client = f->up = -1;
+        front_let_go(r, f, FRONT_STREAM);
+    }
     if (s->prev) s->prev->next = s->next; else r->active = s->next;
     if (s->next) s->next->prev = s->prev;
     s->prev = NULL;
@@ -747,6 +795,464 @@ static int take_chunks(Stream *s, int64_t now) {
     return back;
 }
 
+/* -- the front (prototype): the next request on a kept client connection ------------------- */
+
+/* Let a front go (thread or Python, lock held): out of epoll and `fronts`, its descriptors
+ * closed (unless a stream closed them), onto `closed` for Python with why; the event loop is
+ * woken to take it. */
+static void front_let_go(Relay *r, Front *f, int why) {
+    if (f->client >= 0) {
+        if (f->lent && f->stream == NULL) epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->client, NULL);
+        close(f->client);
+    }
+    if (f->up >= 0) close(f->up);
+    f->client = f->up = -1;
+    if (f->prev) f->prev->next = f->next; else r->fronts = f->next;
+    if (f->next) f->next->prev = f->prev;
+    f->prev = NULL;
+    f->why = why;
+    f->next = r->closed;
+    r->closed = f;
+    wake(r->notify_fd);
+}
+
+/* A stream ended cleanly, its response's end taken by the client's socket: its connection is
+ * kept (lock held). A stream Python started leaves a dormant front for Python to lend or let
+ * go (`kept`); a front's own stream leaves its front waiting for the next request. */
+static void front_keep(Relay *r, Stream *s) {
+    Front *f = s->front;
+    if (f == NULL) {
+        f = calloc(1, sizeof *f);
+        char *buf = f != NULL ? malloc(FRONT_CAP) : NULL;
+        if (buf == NULL) { free(f); return; }
+        f->buf = buf;
+        f->relay = r;
+        f->owner = s->keep;  /* its reference moves to the front */
+        s->keep = NULL;
+        f->next = r->fronts;
+        if (r->fronts) r->fronts->prev = f;
+        r->fronts = f;
+        s->kept = f;
+        f->lent = 1;  /* Python paused its reads of the client when it asked to keep it */
+    } else {
+        f->stream = NULL;
+        s->front = NULL;
+    }
+    epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->up, NULL);
+    f->client = s->client;
+    f->up = s->up;
+    s->client = s->up = -1;
+    f->len = 0;
+    if (f->lent) {
+        struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 2};
+        if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, f->client, &ev) != 0) {
+            f->lent = 0;
+            front_let_go(r, f, FRONT_EOF);
+        }
+    }
+}
+
+/* JSON, as strictly as orjson reads it, for a body of ASCII (anything else: Python's). */
+static const char *json_ws(const char *p, const char *e) {
+    while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+static int hexdigit(char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+}
+
+static const char *json_string(const char *p, const char *e, int *escaped) {
+    if (p >= e || *p != '"') return NULL;
+    p++;
+    while (p < e) {
+        unsigned char c = (unsigned char)*p;
+        if (c == '"') return p + 1;
+        if (c < 0x20 || c >= 0x80) return NULL;
+        if (c == '\\') {
+            if (escaped) *escaped = 1;
+            p++;
+            if (p >= e) return NULL;
+            if (*p == 'u') {
+                if (e - p < 5 || !hexdigit(p[1]) || !hexdigit(p[2]) || !hexdigit(p[3])
+                    || !hexdigit(p[4]))
+                    return NULL;
+                /* a surrogate's escape: orjson's rules for pairs are Python's to apply */
+                if ((p[1] == 'd' || p[1] == 'D') && strchr("89abcdefABCDEF", p[2]) != NULL)
+                    return NULL;
+                p += 5;
+                continue;
+            }
+            if (strchr("\"\\/bfnrt", *p) == NULL) return NULL;
+        }
+        p++;
+    }
+    return NULL;
+}
+
+static const char *json_number(const char *p, const char *e) {
+    if (p < e && *p == '-') p++;
+    if (p >= e) return NULL;
+    if (*p == '0') p++;
+    else if (*p >= '1' && *p <= '9') { while (p < e && *p >= '0' && *p <= '9') p++; }
+    else return NULL;
+    if (p < e && *p == '.') {
+        p++;
+        if (p >= e || !(*p >= '0' && *p <= '9')) return NULL;
+        while (p < e && *p >= '0' && *p <= '9') p++;
+    }
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) p++;
+        if (p >= e || !(*p >= '0' && *p <= '9')) return NULL;
+        while (p < e && *p >= '0' && *p <= '9') p++;
+    }
+    return p;
+}
+
+static const char *json_value(const char *p, const char *e, int depth) {
+    if (p >= e || depth > 64) return NULL;
+    switch (*p) {
+    case '"': return json_string(p, e, NULL);
+    case 't': return (e - p >= 4 && memcmp(p, "true", 4) == 0) ? p + 4 : NULL;
+    case 'f': return (e - p >= 5 && memcmp(p, "false", 5) == 0) ? p + 5 : NULL;
+    case 'n': return (e - p >= 4 && memcmp(p, "null", 4) == 0) ? p + 4 : NULL;
+    case '[':
+        p = json_ws(p + 1, e);
+        if (p < e && *p == ']') return p + 1;
+        for (;;) {
+            p = json_value(p, e, depth + 1);
+            if (p == NULL) return NULL;
+            p = json_ws(p, e);
+            if (p < e && *p == ',') { p = json_ws(p + 1, e); continue; }
+            if (p < e && *p == ']') return p + 1;
+            return NULL;
+        }
+    case '{':
+        p = json_ws(p + 1, e);
+        if (p < e && *p == '}') return p + 1;
+        for (;;) {
+            p = json_string(p, e, NULL);
+            if (p == NULL) return NULL;
+            p = json_ws(p, e);
+            if (p >= e || *p != ':') return NULL;
+            p = json_value(json_ws(p + 1, e), e, depth + 1);
+            if (p == NULL) return NULL;
+            p = json_ws(p, e);
+            if (p < e && *p == ',') { p = json_ws(p + 1, e); continue; }
+            if (p < e && *p == '}') return p + 1;
+            return NULL;
+        }
+    default: return json_number(p, e);
+    }
+}
+
+/* The plan `plan_request` makes, for the plain case alone: a JSON object with `"stream":
+ * true`, no `stream_options`, `n` absent, null or 1, no escaped key. 1 and the `model`
+ * value's span; 0 anything else (Python's). */
+static int body_plain(const char *b, Py_ssize_t n, const char **model, Py_ssize_t *model_len) {
+    const char *p = json_ws(b, b + n), *e = b + n;
+    int stream = 0, single = 1;
+    *model = NULL;
+    *model_len = 0;
+    if (p >= e || *p != '{') return 0;
+    p = json_ws(p + 1, e);
+    if (p < e && *p == '}') return 0;
+    for (;;) {
+        int escaped = 0;
+        const char *key = p;
+        p = json_string(p, e, &escaped);
+        if (p == NULL || escaped) return 0;
+        Py_ssize_t key_len = p - key - 2;
+        key++;
+        p = json_ws(p, e);
+        if (p >= e || *p != ':') return 0;
+        const char *value = json_ws(p + 1, e);
+        p = json_value(value, e, 1);
+        if (p == NULL) return 0;
+        Py_ssize_t value_len = p - value;
+        if (key_len == 6 && memcmp(key, "stream", 6) == 0)
+            stream = value_len == 4 && memcmp(value, "true", 4) == 0;
+        else if (key_len == 14 && memcmp(key, "stream_options", 14) == 0)
+            return 0;
+        else if (key_len == 1 && key[0] == 'n')
+            single = (value_len == 4 && memcmp(value, "null", 4) == 0)
+                     || (value_len == 1 && value[0] == '1');
+        else if (key_len == 5 && memcmp(key, "model", 5) == 0) {
+            *model = value;
+            *model_len = value_len;
+        }
+        p = json_ws(p, e);
+        if (p < e && *p == ',') { p = json_ws(p + 1, e); continue; }
+        if (p < e && *p == '}') { p++; break; }
+        return 0;
+    }
+    return json_ws(p, e) == e && stream && single;
+}
+
+static uint64_t splitmix(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static int64_t wall_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The `date` header as uvicorn writes it (RFC 7231's IMF-fixdate), made once a second. */
+static const char *http_date(Relay *r, int64_t wall) {
+    int64_t sec = wall / 1000000000LL;
+    if (sec != r->f_date_s) {
+        static const char *days[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+        static const char *months[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug",
+                                       "Sep", "Oct", "Nov", "Dec"};
+        time_t t = (time_t)sec;
+        struct tm tm;
+        gmtime_r(&t, &tm);
+        snprintf(r->f_date, sizeof r->f_date, "%s, %02d %s %04d %02d:%02d:%02d GMT",
+                 days[tm.tm_wday], tm.tm_mday, months[tm.tm_mon], tm.tm_year + 1900,
+                 tm.tm_hour, tm.tm_min, tm.tm_sec);
+        r->f_date_s = sec;
+    }
+    return r->f_date;
+}
+
+static int grow(char **buf, Py_ssize_t *len, Py_ssize_t *cap, const char *d, Py_ssize_t n) {
+    if (*len + n > *cap) {
+        Py_ssize_t c = *cap ? *cap : 1024;
+        while (c < *len + n) c *= 2;
+        char *p = realloc(*buf, (size_t)c);
+        if (p == NULL) return -1;
+        *buf = p; *cap = c;
+    }
+    memcpy(*buf + *len, d, (size_t)n);
+    *len += n;
+    return 0;
+}
+
+#define PUT(d, n) do { if (grow(&req, &req_len, &req_cap, (d), (n)) < 0) goto fail; } while (0)
+#define PUTS(s) PUT((s), (Py_ssize_t)strlen(s))
+
+/* Send all of `d` to a blocking-free socket, waiting for room (prototype). */
+static int send_all(int fd, const char *d, Py_ssize_t n) {
+    Py_ssize_t off = 0;
+    while (off < n) {
+        ssize_t w = send(fd, d + off, (size_t)(n - off), MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) { off += w; continue; }
+        if (w < 0 && errno == EINTR) continue;
+        return -1;
+    }
+    return 0;
+}
+
+/* The request at the front of `buf`: 1 taken (sent upstream, its stream started), 0 not all
+ * here yet, -1 Python's (nothing taken). */
+static int front_request(Relay *r, Front *f) {
+    const char *d = f->buf;
+    Py_ssize_t len = f->len;
+    const char *stop = find(d, len, LIT("\r\n\r\n"));
+    if (stop == NULL) return len >= HEAD_CAP ? -1 : 0;
+    Py_ssize_t head_len = stop + 4 - d;
+    const char *eol = find(d, head_len, LIT("\r\n"));
+    Py_ssize_t line_len = eol - d;
+    int endpoint;
+    const char *target;
+    Py_ssize_t target_len;
+    if (line_len == 29 && memcmp(d, "POST /v1/completions HTTP/1.1", 29) == 0) {
+        endpoint = 0; target = d + 5; target_len = 15;
+    } else if (line_len == 34 && memcmp(d, "POST /v1/chat/completions HTTP/1.1", 34) == 0) {
+        endpoint = 1; target = d + 5; target_len = 20;
+    } else {
+        return -1;
+    }
+    /* The headers: forwarded ones copied, as the Python path forwards them. */
+    char *req = NULL;
+    Py_ssize_t req_len = 0, req_cap = 0;
+    Py_ssize_t body_len = -1;
+    const char *rid = NULL;
+    Py_ssize_t rid_len = 0;
+    Stream *s = NULL;
+    PUTS("POST ");
+    PUT(r->f_prefix, r->f_prefix_len);
+    PUT(target, target_len);
+    PUTS(" HTTP/1.1\r\nhost: ");
+    PUT(r->f_host, r->f_host_len);
+    PUTS("\r\n");
+    const char *line = eol + 2, *last = stop + 2;
+    while (line < last) {
+        const char *end = find(line, last - line, LIT("\r\n"));
+        const char *colon = memchr(line, ':', (size_t)(end - line));
+        if (colon == NULL || colon == line) goto python;
+        for (const char *q = line; q < colon; q++)
+            if (!tchar((unsigned char)*q)) goto python;
+        const char *value = colon + 1;
+        while (value < end && (*value == ' ' || *value == '\t')) value++;
+        Py_ssize_t value_len = end - value;
+        while (value_len > 0 && (value[value_len - 1] == ' ' || value[value_len - 1] == '\t'))
+            value_len--;
+        for (Py_ssize_t i = 0; i < value_len; i++) {
+            unsigned char c = (unsigned char)value[i];
+            if ((c < 0x20 && c != '\t') || c >= 0x7f) goto python;
+        }
+        Py_ssize_t name_len = colon - line;
+        if (name_is(line, name_len, "content-length")) {
+            if (body_len >= 0 || value_len == 0 || value_len > 12) goto python;
+            body_len = 0;
+            for (Py_ssize_t i = 0; i < value_len; i++) {
+                if (value[i] < '0' || value[i] > '9') goto python;
+                body_len = body_len * 10 + (value[i] - '0');
+            }
+        } else if (name_is(line, name_len, "connection")) {
+            if (!(value_len == 10 && strncasecmp(value, "keep-alive", 10) == 0)) goto python;
+        } else if (name_is(line, name_len, "transfer-encoding") || name_is(line, name_len, "expect")
+                   || name_is(line, name_len, "upgrade")
+                   || name_is(line, name_len, "x-phasewatch-run-id")) {
+            goto python;
+        } else if (name_is(line, name_len, "x-request-id")) {
+            if (rid != NULL || value_len == 0 || value_len > 200) goto python;
+            rid = value; rid_len = value_len;
+        } else if (!hop_by_hop(line, name_len)
+                   && !(name_len == r->f_admin_len
+                        && strncasecmp(line, r->f_admin, (size_t)name_len) == 0)) {
+            for (const char *q = line; q < colon; q++) {
+                char c = (*q >= 'A' && *q <= 'Z') ? (char)(*q + 32) : *q;
+                PUT(&c, 1);
+            }
+            PUTS(": ");
+            PUT(value, value_len);
+            PUTS("\r\n");
+        }
+        line = end + 2;
+    }
+    if (body_len < 0 || body_len > r->f_max_body || head_len + body_len > FRONT_CAP) goto python;
+    if (len < head_len + body_len) { free(req); return 0; }
+    if (len > head_len + body_len) goto python;  /* pipelined: Python's (prototype) */
+    const char *body = d + head_len, *model;
+    Py_ssize_t model_len;
+    if (!body_plain(body, body_len, &model, &model_len)) goto python;
+    pthread_mutex_lock(&r->lock);
+    s = r->spares;
+    if (s != NULL) r->spares = s->next;
+    pthread_mutex_unlock(&r->lock);
+    if (s == NULL) goto python;
+    s->next = NULL;
+    if (rid == NULL) {
+        uint64_t a = splitmix(&r->f_rng), b = splitmix(&r->f_rng);
+        snprintf(s->f_rid, sizeof s->f_rid, "%016llx%016llx", (unsigned long long)a,
+                 (unsigned long long)b);
+        rid = s->f_rid; rid_len = 32;
+    } else {
+        memcpy(s->f_rid, rid, (size_t)(rid_len < 32 ? rid_len : 32));  /* (prototype) */
+        s->f_rid[rid_len < 32 ? rid_len : 32] = 0;
+    }
+    /* The body with `stream_options` appended before its closing brace (`_with_options`). */
+    Py_ssize_t text = body_len;
+    while (text > 0 && strchr(" \t\r\n", body[text - 1]) != NULL) text--;
+    static const char member[] =
+        ",\"stream_options\":{\"include_usage\":true,\"continuous_usage_stats\":true}";
+    Py_ssize_t new_len = body_len + (Py_ssize_t)sizeof(member) - 1;
+    char cl[64];
+    PUTS("x-request-id: ");
+    PUT(rid, rid_len);
+    snprintf(cl, sizeof cl, "\r\ncontent-length: %lld\r\n\r\n", (long long)new_len);
+    PUTS(cl);
+    PUT(body, text - 1);
+    PUT(member, (Py_ssize_t)sizeof(member) - 1);
+    PUT(body + text - 1, body_len - text + 1);
+    /* The stream, as `start(..., head=...)` makes one. */
+    int64_t wall = f->first_wall_ns;
+    char pre[128];
+    int pre_n = r->f_date_on
+        ? snprintf(pre, sizeof pre, "HTTP/1.1 200 OK\r\ndate: %s\r\n", http_date(r, wall_ns()))
+        : snprintf(pre, sizeof pre, "HTTP/1.1 200 OK\r\n");
+    s->head_pre = malloc((size_t)(pre_n + r->f_rest_len + 1));
+    s->head_rid = malloc((size_t)rid_len + 20);
+    s->head_post = malloc(32);
+    s->f_model = model_len ? malloc((size_t)model_len) : NULL;
+    if (s->head_pre == NULL || s->head_rid == NULL || s->head_post == NULL
+        || (model_len && s->f_model == NULL))
+        goto spare;
+    memcpy(s->head_pre, pre, (size_t)pre_n);
+    memcpy(s->head_pre + pre_n, r->f_rest, (size_t)r->f_rest_len);
+    s->head_pre_len = pre_n + r->f_rest_len;
+    memcpy(s->head_rid, "x-request-id: ", 14);
+    memcpy(s->head_rid + 14, rid, (size_t)rid_len);
+    memcpy(s->head_rid + 14 + rid_len, "\r\n", 2);
+    s->head_rid_len = 14 + rid_len + 2;
+    memcpy(s->head_post, "transfer-encoding: chunked\r\n\r\n", 30);
+    s->head_post_len = 30;
+    if (model_len) memcpy(s->f_model, model, (size_t)model_len);
+    s->f_model_len = model_len;
+    if (send_all(f->up, req, req_len) < 0) goto spare;  /* (prototype: nothing or all) */
+    free(req);
+    s->up = f->up;
+    s->client = f->client;
+    s->strip = 1;
+    s->hold = 1;
+    s->last_completion = -1;
+    s->head_state = HEAD_WAIT;
+    s->pending = 1;
+    s->unpolled_first = 1;
+    s->front = f;
+    s->front_request = 1;
+    s->f_arrival_ns = f->first_ns;
+    s->f_wall_ns = wall;
+    s->f_sent_ns = now_ns();
+    s->f_endpoint = endpoint;
+    s->last_read_ns = s->f_sent_ns;
+    s->polled_ns = s->f_sent_ns;
+    f->stream = s;
+    f->len = 0;
+    epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->client, NULL);
+    pthread_mutex_lock(&r->lock);
+    s->next = r->active;
+    if (r->active) r->active->prev = s;
+    r->active = s;
+    pthread_mutex_unlock(&r->lock);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
+    epoll_ctl(r->epfd, EPOLL_CTL_ADD, s->up, &ev);
+    return 1;
+spare:
+    free(s->head_pre); free(s->head_rid); free(s->head_post); free(s->f_model);
+    s->head_pre = s->head_rid = s->head_post = s->f_model = NULL;
+    pthread_mutex_lock(&r->lock);
+    s->next = r->spares;
+    r->spares = s;
+    pthread_mutex_unlock(&r->lock);
+fail:
+python:
+    free(req);
+    return -1;
+}
+
+#undef PUT
+#undef PUTS
+
+/* A lent front's client is readable: the next request's bytes, or its close. */
+static void front_ready(Relay *r, Front *f) {
+    if (f->client < 0 || f->stream != NULL) return;
+    if (f->len >= FRONT_CAP) {
+        pthread_mutex_lock(&r->lock); front_let_go(r, f, FRONT_PYTHON);
+        pthread_mutex_unlock(&r->lock); return;
+    }
+    ssize_t n = recv(f->client, f->buf + f->len, (size_t)(FRONT_CAP - f->len), MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    if (n <= 0) {
+        pthread_mutex_lock(&r->lock); front_let_go(r, f, f->len ? FRONT_PYTHON : FRONT_EOF);
+        pthread_mutex_unlock(&r->lock); return;
+    }
+    if (f->len == 0) { f->first_ns = now_ns(); f->first_wall_ns = wall_ns(); }
+    f->len += n;
+    if (front_request(r, f) < 0) {
+        pthread_mutex_lock(&r->lock); front_let_go(r, f, FRONT_PYTHON);
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
 /* The upstream is readable: one read, its chunks taken, sent on. */
 static void upstream_ready(Relay *r, Stream *s) {
     if (s->in_len >= IN_CAP) { pthread_mutex_lock(&r->lock); hand_back(r, s, END_HANDOVER);
@@ -787,6 +1293,9 @@ static void upstream_ready(Relay *r, Stream *s) {
     if (sent < 0) {
         hand_back(r, s, END_CLIENT_ERROR);
     } else if (ending != END_NONE) {  /* at the end, what the client did not take is `unsent` */
+        if (ending == END_BODY && sent == 0 && s->end_written && s->in_len == 0 && s->held == 0
+            && (s->keep != NULL || s->front != NULL) && !r->closing)
+            front_keep(r, s);
         hand_back(r, s, ending);
     } else if (sent == 1) {
         s->blocked_since_ns = now;
@@ -835,8 +1344,9 @@ static void *run(void *arg) {
                 if (closing) { publish(r); return NULL; }
                 continue;
             }
-            uintptr_t tag = (uintptr_t)ptr & 1;
-            Stream *s = (Stream *)((uintptr_t)ptr & ~(uintptr_t)1);
+            uintptr_t tag = (uintptr_t)ptr & 3;
+            if (tag == 2) { front_ready(r, (Front *)((uintptr_t)ptr & ~(uintptr_t)3)); continue; }
+            Stream *s = (Stream *)((uintptr_t)ptr & ~(uintptr_t)3);
             if (s->up < 0) continue;  /* handed back earlier in this batch */
             if (tag) { if (s->blocked) client_ready(r, s, evs[i].events); }
             else if (!s->blocked) upstream_ready(r, s);
@@ -850,6 +1360,8 @@ static void *run(void *arg) {
 
 static void Stream_dealloc(Stream *s) {
     Py_XDECREF(s->owner);
+    Py_XDECREF(s->keep);
+    free(s->f_model);
     free(s->in); free(s->out); free(s->log);
     free(s->head_pre); free(s->head_rid); free(s->head_post); free(s->head_raw);
     Py_XDECREF((PyObject *)s->relay);
@@ -941,6 +1453,58 @@ static PyObject *Stream_head(Stream *s, void *Py_UNUSED(c)) {
     return head;
 }
 
+static PyObject *Stream_kept(Stream *s, void *Py_UNUSED(c)) {
+    /* (prototype) A front was kept at this stream's clean end: `lend()` or `release()` it. */
+    Relay *r = s->relay;
+    pthread_mutex_lock(&r->lock);
+    int kept = s->kept != NULL;
+    pthread_mutex_unlock(&r->lock);
+    return PyBool_FromLong(kept);
+}
+
+static PyObject *Stream_front(Stream *s, void *Py_UNUSED(c)) {
+    /* (prototype) A front's request: (request id, arrival, wall clock at arrival, sent,
+     * model JSON or None, endpoint 0/1); None for a stream Python started. */
+    if (!s->front_request) Py_RETURN_NONE;
+    PyObject *model = s->f_model != NULL
+        ? PyBytes_FromStringAndSize(s->f_model, s->f_model_len) : Py_NewRef(Py_None);
+    if (model == NULL) return NULL;
+    return Py_BuildValue("(yLLLNi)", s->f_rid, (long long)s->f_arrival_ns,
+                         (long long)s->f_wall_ns, (long long)s->f_sent_ns, model, s->f_endpoint);
+}
+
+static PyObject *Stream_lend(Stream *s, PyObject *Py_UNUSED(ignored)) {
+    /* (prototype) Python paused its own reads of the client: the thread reads its next
+     * request. False when the front could not be lent (it goes to `closed()`). */
+    Relay *r = s->relay;
+    int ok = 0;
+    pthread_mutex_lock(&r->lock);
+    Front *f = s->kept;
+    s->kept = NULL;
+    if (f != NULL) {
+        if (f->client >= 0 && !r->closing) {
+            struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 2};
+            f->lent = 1;
+            ok = epoll_ctl(r->epfd, EPOLL_CTL_ADD, f->client, &ev) == 0;
+            if (!ok) f->lent = 0;
+        }
+        if (!ok) front_let_go(r, f, FRONT_ASKED);
+    }
+    pthread_mutex_unlock(&r->lock);
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *Stream_release(Stream *s, PyObject *Py_UNUSED(ignored)) {
+    /* (prototype) The front kept at this stream's end is not lent: let it go. */
+    Relay *r = s->relay;
+    pthread_mutex_lock(&r->lock);
+    Front *f = s->kept;
+    s->kept = NULL;
+    if (f != NULL) front_let_go(r, f, FRONT_ASKED);
+    pthread_mutex_unlock(&r->lock);
+    Py_RETURN_NONE;
+}
+
 static PyMemberDef Stream_members[] = {
     {"owner", T_OBJECT, offsetof(Stream, owner), 0, "the relay's exchange"},
     {"ending", T_INT, offsetof(Stream, ending), READONLY, "why it came back (0: it has not)"},
@@ -963,6 +1527,8 @@ static PyGetSetDef Stream_getset[] = {
     {"unsent", (getter)Stream_unsent, NULL, NULL, NULL},
     {"done_ns", (getter)Stream_done_ns, NULL, NULL, NULL},
     {"head", (getter)Stream_head, NULL, NULL, NULL},
+    {"kept", (getter)Stream_kept, NULL, NULL, NULL},
+    {"front", (getter)Stream_front, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -971,6 +1537,8 @@ static PyMethodDef Stream_methods[] = {
     {"clocks", (PyCFunction)Stream_clocks, METH_NOARGS, NULL},
     {"stop", (PyCFunction)Stream_stop, METH_NOARGS, NULL},
     {"urge", (PyCFunction)Stream_urge, METH_NOARGS, NULL},
+    {"lend", (PyCFunction)Stream_lend, METH_NOARGS, NULL},
+    {"release", (PyCFunction)Stream_release, METH_NOARGS, NULL},
     {NULL},
 };
 
@@ -1023,6 +1591,9 @@ static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)r;
 }
 
+static void fronts_let_go(Relay *r);
+static PyObject *Relay_closed(Relay *r, PyObject *ignored);
+
 static void relay_join(Relay *r) {
     if (!r->running) return;
     pthread_mutex_lock(&r->lock);
@@ -1040,6 +1611,12 @@ static void Relay_dealloc(Relay *r) {
     Stream *s = r->done;
     while (s != NULL) { Stream *next = s->next; Py_DECREF(s); s = next; }
     r->done = NULL;
+    s = r->spares;
+    while (s != NULL) { Stream *next = s->next; Py_DECREF(s); s = next; }
+    r->spares = NULL;
+    fronts_let_go(r);
+    Py_XDECREF(Relay_closed(r, NULL));
+    free(r->f_rest); free(r->f_prefix); free(r->f_host); free(r->f_admin);
     if (r->epfd >= 0) close(r->epfd);
     if (r->wake_fd >= 0) close(r->wake_fd);
     if (r->notify_fd >= 0) close(r->notify_fd);
@@ -1052,10 +1629,10 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
      * request id line, suffix) of the client's head, to take the stream from the upstream's
      * head on (its request just sent) rather than from a chunk boundary of its body. */
     int up, client, strip, hold;
-    PyObject *owner, *head = Py_None;
+    PyObject *owner, *head = Py_None, *keep = Py_None;
     const char *pre = NULL, *rid = NULL, *post = NULL;
     Py_ssize_t pre_len = 0, rid_len = 0, post_len = 0;
-    if (!PyArg_ParseTuple(args, "iippO|O", &up, &client, &strip, &hold, &owner, &head))
+    if (!PyArg_ParseTuple(args, "iippO|OO", &up, &client, &strip, &hold, &owner, &head, &keep))
         return NULL;
     if (head != Py_None && !PyArg_ParseTuple(head, "y#y#y#", &pre, &pre_len, &rid, &rid_len,
                                              &post, &post_len))
@@ -1075,6 +1652,7 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
     s->strip = strip;
     s->hold = hold;
     s->last_completion = -1;
+    if (keep != Py_None && r->front_on) { Py_INCREF(keep); s->keep = keep; }
     if (head != Py_None) {
         s->head_state = HEAD_WAIT;
         s->pending = 1;
@@ -1171,7 +1749,7 @@ static PyObject *Relay_due(Relay *r, PyObject *args) {
     if (list == NULL) return NULL;
     pthread_mutex_lock(&r->lock);
     for (Stream *s = r->active; s != NULL; s = s->next) {
-        if (s->owner == NULL || s->owner == Py_None) continue;
+        if (s->owner == NULL || s->owner == Py_None || s->front_request) continue;
         if (s->polled_ns <= replay_before || s->unpolled_first || s->last_read_ns < idle_before
                 || (s->blocked_since_ns && s->blocked_since_ns < stall_before)) {
             if (PyList_Append(list, s->owner) < 0) { Py_CLEAR(list); break; }
@@ -1181,13 +1759,101 @@ static PyObject *Relay_due(Relay *r, PyObject *args) {
     return list;
 }
 
+static char *dup_bytes(const char *d, Py_ssize_t n) {
+    char *p = malloc((size_t)n + 1);
+    if (p != NULL) { memcpy(p, d, (size_t)n); p[n] = 0; }
+    return p;
+}
+
+static PyObject *Relay_front_config(Relay *r, PyObject *args) {
+    /* (prototype) front_config(server headers after date, upstream base path, upstream host
+     * header, admin token header, max body): the front takes plain requests from here on. */
+    const char *rest, *prefix, *host, *admin;
+    Py_ssize_t rest_len, prefix_len, host_len, admin_len, max_body;
+    int date_on;
+    if (!PyArg_ParseTuple(args, "py#y#y#y#n", &date_on, &rest, &rest_len, &prefix, &prefix_len,
+                          &host, &host_len, &admin, &admin_len, &max_body))
+        return NULL;
+    r->f_date_on = date_on;
+    pthread_mutex_lock(&r->lock);
+    int set = r->front_on;
+    pthread_mutex_unlock(&r->lock);
+    if (set) { PyErr_SetString(PyExc_RuntimeError, "the front is configured"); return NULL; }
+    r->f_rest = dup_bytes(rest, rest_len); r->f_rest_len = rest_len;
+    r->f_prefix = dup_bytes(prefix, prefix_len); r->f_prefix_len = prefix_len;
+    r->f_host = dup_bytes(host, host_len); r->f_host_len = host_len;
+    r->f_admin = dup_bytes(admin, admin_len); r->f_admin_len = admin_len;
+    r->f_max_body = max_body;
+    r->f_rng = (uint64_t)wall_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)r;
+    if (!r->f_rest || !r->f_prefix || !r->f_host || !r->f_admin) return PyErr_NoMemory();
+    pthread_mutex_lock(&r->lock);
+    r->front_on = 1;
+    pthread_mutex_unlock(&r->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Relay_stock(Relay *r, PyObject *args) {
+    /* (prototype) stock(owner, n): n more streams for the front's requests, owned by `owner`;
+     * returns how many are in stock. */
+    PyObject *owner;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &owner, &n)) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Stream *s = PyObject_New(Stream, &StreamType);
+        if (s == NULL) return NULL;
+        memset((char *)s + sizeof(PyObject), 0, sizeof(Stream) - sizeof(PyObject));
+        s->up = s->client = -1;
+        s->owner = Py_NewRef(owner);
+        s->relay = (Relay *)Py_NewRef((PyObject *)r);
+        s->in = malloc(IN_CAP);
+        if (s->in == NULL) { Py_DECREF(s); return PyErr_NoMemory(); }
+        pthread_mutex_lock(&r->lock);  /* its reference is the thread's from here */
+        s->next = r->spares;
+        r->spares = s;
+        pthread_mutex_unlock(&r->lock);
+    }
+    Py_ssize_t have = 0;
+    pthread_mutex_lock(&r->lock);
+    for (Stream *s = r->spares; s != NULL; s = s->next) have++;
+    pthread_mutex_unlock(&r->lock);
+    return PyLong_FromSsize_t(have);
+}
+
+static PyObject *Relay_closed(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    /* (prototype) The fronts let go since the last call: (owner, why, bytes the thread read
+     * of a request it did not take). */
+    pthread_mutex_lock(&r->lock);
+    Front *f = r->closed;
+    r->closed = NULL;
+    pthread_mutex_unlock(&r->lock);
+    PyObject *list = PyList_New(0);
+    while (f != NULL) {
+        Front *next = f->next;
+        PyObject *item = Py_BuildValue("(Niy#)", f->owner, f->why, f->buf,
+                                       f->why == FRONT_PYTHON ? f->len : (Py_ssize_t)0);
+        if (item == NULL || list == NULL || PyList_Append(list, item) < 0) Py_CLEAR(list);
+        Py_XDECREF(item);
+        free(f->buf);
+        free(f);
+        f = next;
+    }
+    return list;
+}
+
 static PyObject *Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromLong(r->notify_fd);
+}
+
+static void fronts_let_go(Relay *r) {
+    pthread_mutex_lock(&r->lock);
+    while (r->fronts != NULL) front_let_go(r, r->fronts, FRONT_ASKED);
+    pthread_mutex_unlock(&r->lock);
 }
 
 static PyObject *Relay_close(Relay *r, PyObject *Py_UNUSED(ignored)) {
     /* Stop the thread; streams it still held are handed back (ending ASKED) first. */
     relay_join(r);
+    fronts_let_go(r);
     Py_RETURN_NONE;
 }
 
@@ -1197,6 +1863,9 @@ static PyMethodDef Relay_methods[] = {
     {"ended", (PyCFunction)Relay_ended, METH_NOARGS, NULL},
     {"due", (PyCFunction)Relay_due, METH_VARARGS, NULL},
     {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS, NULL},
+    {"front_config", (PyCFunction)Relay_front_config, METH_VARARGS, NULL},
+    {"stock", (PyCFunction)Relay_stock, METH_VARARGS, NULL},
+    {"closed", (PyCFunction)Relay_closed, METH_NOARGS, NULL},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},
     {NULL},
 };

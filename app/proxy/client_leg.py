@@ -60,11 +60,14 @@ log = logging.getLogger(__name__)
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "arrival_ns", "followed", "on_disconnect", "on_followed", "on_pause",
-                 "on_resume", "plain_fd")
+    __slots__ = ("_cycle", "arrival_ns", "followed", "front", "on_disconnect", "on_followed",
+                 "on_pause", "on_resume", "plain_fd", "protocol")
 
-    def __init__(self, arrival_ns: int, plain_fd: int | None = None) -> None:
+    def __init__(self, arrival_ns: int, plain_fd: int | None = None,
+                 protocol: Any = None) -> None:
         self.arrival_ns = arrival_ns
+        self.protocol = protocol  # (front prototype) the connection's protocol
+        self.front: Any = None  # (front prototype) its connections, if kept at the end
         self.plain_fd = plain_fd  # the connection's socket, for the native leg (native.py)
         self._cycle: RequestResponseCycle | None = None
         # Set by the relay while it writes directly: called as the client's buffer fills/drains.
@@ -84,6 +87,7 @@ class ClientLeg:
         exchange, so each request would otherwise leave them all to the cyclic collector."""
         self._cycle = None
         self.on_pause = self.on_resume = self.on_disconnect = self.on_followed = None
+        self.protocol = self.front = None
 
     def queued_behind(self) -> None:
         """The server queued a request behind this one (`PhasewatchHttpProtocol`)."""
@@ -240,6 +244,7 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
     _take_ended: Callable[[], None] | None = None
+    reading = False  # (front prototype) in `data_received`
     # (Class-wide) the connections refused so far, logged at most every 10 s.
     _refusals = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
 
@@ -265,9 +270,13 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         if self._refusing:
             return  # answered 503 already; its request is not read
         self._read_ns = perf_counter_ns()
-        if self._take_ended is not None:
-            self._take_ended()
-        super().data_received(data)
+        self.reading = True
+        try:
+            if self._take_ended is not None:
+                self._take_ended()
+            super().data_received(data)
+        finally:
+            self.reading = False
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -276,7 +285,7 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
             # Pipelined: this request waits for the one ahead's cycle to complete (uvicorn
             # queues it), so that one's end must not wait for the event loop's next wake-up.
             ahead.queued_behind()
-        self._leg = ClientLeg(self._read_ns, self._plain_fd)
+        self._leg = ClientLeg(self._read_ns, self._plain_fd, self)
         # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
         self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -41,4 +41,5 @@ class ProxyContext:
     exemplars: bool = False  # TTFT and ITL observations carry the request's id
     otel: OtelExport | None = None  # None: OpenTelemetry is off, and none of it runs
     native: NativeRelay | None = None  # None: streams are relayed in Python alone
+    front: Any = None  # (prototype) the native front (front.py), or None
     in_flight: int = 0

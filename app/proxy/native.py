@@ -102,10 +102,15 @@ class Stream(Protocol):
     head: bytes | None  # (started at the head) the upstream's head, once the thread took it
     head_ns: int  # the time of the read that completed it
 
+    kept: bool  # (front prototype) its connections were kept at its clean end
+    front: tuple[bytes, int, int, int, bytes | None, int] | None  # (front prototype)
+
     def poll(self) -> tuple[bytes, int, int]: ...
     def clocks(self) -> tuple[int, int]: ...
     def stop(self) -> None: ...
     def urge(self) -> None: ...
+    def lend(self) -> bool: ...
+    def release(self) -> None: ...
 
 
 class Owner(Protocol):
@@ -127,10 +132,23 @@ class NativeRelay:
         self._open = True
         # Faults that would recur per stream: each kind logged once a minute.
         self._start_faults, self._hand_back_faults = LogThrottle(), LogThrottle()
+        self.after_batch: Any = None  # (front prototype) the front's restock
+        self._front = False
         loop.add_reader(self._relay.fileno(), self._returned)
 
+    def front_config(self, date: bool, rest: bytes, prefix: bytes, host: bytes, admin: bytes,
+                     max_body: int) -> None:
+        """(prototype) The front takes plain requests on lent connections from here on."""
+        self._relay.front_config(date, rest, prefix, host, admin, max_body)
+        self._front = True
+
+    def stock(self, owner: Any, n: int) -> int:
+        have: int = self._relay.stock(owner, n)
+        return have
+
     def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
-              owner: Owner, head: tuple[bytes, bytes, bytes] | None = None) -> Stream | None:
+              owner: Owner, head: tuple[bytes, bytes, bytes] | None = None,
+              keep: Any = None) -> Stream | None:
         """Hand a stream to the thread, given its two sockets' descriptors (`plain_fd`): cut
         running usage (`strip_usage`), hold a terminal chunk (`hold_terminal`, as
         `StreamFeed` does when the closing usage chunk is cut). With `head` (the client head's
@@ -141,7 +159,7 @@ class NativeRelay:
             return None
         try:
             stream: Stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal,
-                                               owner, head)
+                                               owner, head, keep)
         except (OSError, RuntimeError):
             self._start_faults.exception(
                 log, "the native relay could not take a stream; it stays in Python",
@@ -173,6 +191,14 @@ class NativeRelay:
             except Exception:  # one exchange's fault must not strand the others
                 self._hand_back_faults.exception(
                     log, "could not take a stream back from the native relay")
+        if self._front:
+            for owner, why, data in self._relay.closed():
+                try:
+                    owner.let_go(why, data)
+                except Exception:
+                    self._hand_back_faults.exception(log, "could not take a front back")
+            if self.after_batch is not None:
+                self.after_batch()
 
     def close(self) -> None:
         """Stop the thread; a stream it still held goes back to its exchange first."""

@@ -59,6 +59,7 @@ from phasewatch.proxy.asgi import (
 from phasewatch.proxy.client_leg import ClientLeg, client_leg
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.finish import finish
+from phasewatch.proxy.front import Front
 from phasewatch.proxy.live import LiveView
 from phasewatch.proxy.native import Ending, Stream, replay
 from phasewatch.proxy.request_plan import RequestPlan, plan_request
@@ -467,8 +468,12 @@ class Exchange:
         conn.pause_reading()
         prefix, end = parts
         request_id = b"x-request-id: %b\r\n" % self._record.request_id.encode("latin-1")
+        front = self._ctx.front
+        keep = leg.front = front.keep(leg, conn) if front is not None else None
         stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
-                              plan.strip_final_usage, self, (prefix, request_id, end))
+                              plan.strip_final_usage, self, (prefix, request_id, end), keep)
+        if stream is None and keep is not None:
+            Front.not_kept(leg)
         if stream is None:
             self._native_tried = True
             conn.resume_reading()
@@ -531,14 +536,25 @@ class Exchange:
             # the end, what that read brought goes out with it, in one write, below.) Then the
             # upstream's parser hears the end the native leg read for it (`on_end`, and
             # `on_read_end`, which has nothing left to write once the response is complete).
-            conn.resume_reading()  # for its next response: it goes back to the pool
-            if stream.end_written and leg is not None:
-                leg.end_written(stream.unsent)
+            lent = stream.kept and leg is not None
+            if lent:
+                Front.kept(leg)
             else:
-                self._prefix = stream.unsent
+                if leg is not None and leg.front is not None:
+                    Front.not_kept(leg)
+                conn.resume_reading()  # for its next response: it goes back to the pool
+                if stream.end_written and leg is not None:
+                    leg.end_written(stream.unsent)
+                else:
+                    self._prefix = stream.unsent
             conn.take(_LAST_CHUNK, stream.leftover_ns)
+            if lent:  # (front prototype) the connection stays with the native thread
+                self._conn = None
+                conn.lend()
             self._wake_up()
             return
+        if leg is not None and leg.front is not None:
+            Front.not_kept(leg)
         unsent, blocked_ns = stream.unsent, self.client_blocked_ns
         if unsent and leg is not None:
             leg.write_raw(unsent)  # may fill the client's buffer: `_client_blocked`

@@ -94,6 +94,10 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             self.close()
 
+    def lend(self) -> None:
+        """(front prototype) Kept by the native front, paused: no exchange hears it."""
+        self._handler = None
+
     def close(self) -> None:
         self._handler = None
         if self.state is not ConnState.CLOSED:
