@@ -60,6 +60,7 @@ from phasewatch.otel import check_otel
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
 from phasewatch.proxy.client_leg import ENDED_HOOK, SHUTDOWN_HOOK, client_leg
 from phasewatch.proxy.context import ProxyContext
+from phasewatch.proxy.front import front as native_front
 from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveGauges, LiveStreams
 from phasewatch.proxy.native import native_relay
@@ -199,11 +200,8 @@ def create_app(
             native=native_relay(settings.native_relay),
         )
         live.native = app.state.proxy.native
-        if (settings.native_front and app.state.proxy.native is not None
-                and settings.upstream_continuous_usage and otel is None):
-            from phasewatch.proxy.front import Front
-            front = app.state.proxy.front = Front(app.state.proxy)
-            app.state.proxy.native.after_batch = front.restock
+        live.front = app.state.proxy.shutdown.front = app.state.proxy.front = native_front(
+            app.state.proxy, settings.native_front)
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
             asyncio.create_task(writer.run(), name="record-writer"),

@@ -270,6 +270,12 @@ class ProxyMetrics:
             "handed off again after an event it gives back).",
             registry=registry,
         )
+        self.native_front = Counter(
+            "phasewatch_native_front_requests",
+            "Requests the native front took: a kept-alive connection's next plain request, "
+            "sent upstream and relayed by the native thread with no Python until its end.",
+            registry=registry,
+        )
         self.records_dropped = Counter(
             "phasewatch_records_dropped",
             "Request records dropped because the record queue was full.",
@@ -300,6 +306,7 @@ class ProxyMetrics:
         self.observe_proxy_queue = fast_observe(self.proxy_queue)
         loop_owned(self.in_flight)
         loop_owned(self.native_streams)
+        loop_owned(self.native_front)
         # Set by each record queued and each batch stored, both on the event loop.
         loop_owned(self.record_queue_depth)
 

@@ -96,11 +96,13 @@ typedef struct {
     int64_t quiet_since; /* (thread) the oldest stream published without a wake (0: none) */
     int64_t quiet_ns;    /* how long such a stream waits at most (`QUIET_NS` unless told) */
     /* The front (prototype): client connections the thread keeps between requests. */
-    Front *fronts;       /* kept, dormant or lent (under lock) */
+    Front *fronts;       /* kept: idle or answering a request (under lock) */
     Front *closed;       /* let go, waiting for Python (`closed()`, under lock) */
     Stream *spares;      /* Python's streams for the front's requests (under lock) */
     int front_on;        /* `front_config` was given */
     int f_date_on;       /* the server writes a `date` header */
+    int f_unseen;        /* front streams Python has not looked at yet (`front_started`) */
+    int py_in_flight;    /* Python's requests in flight, as it last said (`in_flight`) */
     char *f_rest; Py_ssize_t f_rest_len;      /* the server's headers after `date` */
     char *f_prefix; Py_ssize_t f_prefix_len;  /* the upstream's base path */
     char *f_host; Py_ssize_t f_host_len;      /* the upstream's host header */
@@ -122,6 +124,7 @@ struct Stream {
     int ending;               /* END_*; set by the thread when it hands the stream back */
     int err;                  /* errno of a broken socket */
     int blocked;              /* waiting for the client to take `out` */
+    int watch_client;         /* the client's hang-up is in the epoll set too (`watch_client`) */
     int hold;                 /* hold a terminal chunk until a whole chunk follows it */
     int end_written;          /* END_BODY: the response's end went into `out` (see `unsent`) */
     Py_ssize_t held;          /* bytes at the front of `in` held so (0: none) */
@@ -149,9 +152,13 @@ struct Stream {
     Front *front;             /* the front whose request this stream answers */
     int front_request;        /* started by the front: the facts below are set */
     int64_t f_arrival_ns, f_wall_ns, f_sent_ns;
-    char f_rid[33];
+    char f_rid[208];
     char *f_model; Py_ssize_t f_model_len;    /* the body's `model` value, as JSON */
     int f_endpoint;           /* 0 completions, 1 chat */
+    int f_seen;               /* Python has looked at it (`front_started`) */
+    int f_in_flight;          /* requests in flight when it arrived */
+    char *f_req; Py_ssize_t f_req_len;  /* the client's request, as read */
+    PyObject *f_conn;         /* the front's connection object, once the front went with it */
 };
 
 struct Front {
@@ -162,7 +169,6 @@ struct Front {
     char *buf; Py_ssize_t len;  /* the client's bytes of the next request */
     int64_t first_ns, first_wall_ns;
     Stream *stream;           /* the stream answering its request (NULL: idle) */
-    int lent;                 /* Python paused its own reads: the client's reads are the thread's */
     int why;                  /* FRONT_* once let go */
 };
 
@@ -419,17 +425,32 @@ static int log_events(Stream *s, const int64_t *ev, Py_ssize_t n) {
 /* While the client is not taking what is written, the upstream is not read: only one of the two
  * descriptors is in the epoll set at a time (an idle one would report a hang-up forever). */
 static void block(Stream *s) {
-    struct epoll_event ev = {.events = EPOLLOUT, .data.ptr = (char *)s + 1};
+    struct epoll_event ev = {.events = EPOLLOUT | (s->watch_client ? EPOLLRDHUP : 0),
+                             .data.ptr = (char *)s + 1};
     epoll_ctl(s->relay->epfd, EPOLL_CTL_DEL, s->up, NULL);
-    epoll_ctl(s->relay->epfd, EPOLL_CTL_ADD, s->client, &ev);
+    epoll_ctl(s->relay->epfd, s->watch_client ? EPOLL_CTL_MOD : EPOLL_CTL_ADD, s->client, &ev);
     s->blocked = 1;
 }
 
 static void unblock(Stream *s) {
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
-    epoll_ctl(s->relay->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    if (s->watch_client) {
+        struct epoll_event hangup = {.events = EPOLLRDHUP, .data.ptr = (char *)s + 1};
+        epoll_ctl(s->relay->epfd, EPOLL_CTL_MOD, s->client, &hangup);
+    } else {
+        epoll_ctl(s->relay->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    }
     epoll_ctl(s->relay->epfd, EPOLL_CTL_ADD, s->up, &ev);
     s->blocked = 0;
+}
+
+/* A stream whose client the event loop does not read (its connections may be kept by the
+ * front): the thread hears the client's hang-up itself, at once, as the event loop would. */
+static int watch_client(Stream *s) {
+    struct epoll_event hangup = {.events = EPOLLRDHUP, .data.ptr = (char *)s + 1};
+    if (epoll_ctl(s->relay->epfd, EPOLL_CTL_ADD, s->client, &hangup) != 0) return -1;
+    s->watch_client = 1;
+    return 0;
 }
 
 /* Hand the stream back (thread only, lock held): out of epoll and `active`, its descriptors
@@ -442,16 +463,23 @@ static void hand_back(Relay *r, Stream *s, int ending) {
     /* Out of the set before the close: the event loop's own descriptors keep the sockets open,
      * and with them the registration. Only one of the two is in the set (`block`). */
     if (s->up >= 0) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->blocked ? s->client : s->up, NULL);
+    if (s->up >= 0 && s->watch_client && !s->blocked)
+        epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    s->watch_client = 0;
     if (s->up >= 0) close(s->up);
     if (s->client >= 0) close(s->client);
     s->up = s->client = -1;
-    if (s->front != NULL) {  /* the front's descriptors were the stream's: it goes too */
+    if (s->front != NULL) {  /* the front's descriptors were the stream's: it goes too, and
+                              * its connection object with the stream (`front_conn`) */
         Front *f = s->front;
         s->front = NULL;
         f->stream = NULL;
         f->client = f->up = -1;
+        s->f_conn = f->owner;
+        f->owner = NULL;
         front_let_go(r, f, FRONT_STREAM);
     }
+    if (s->front_request && !s->f_seen) { s->f_seen = 1; r->f_unseen--; }
     if (s->prev) s->prev->next = s->next; else r->active = s->next;
     if (s->next) s->next->prev = s->prev;
     s->prev = NULL;
@@ -802,10 +830,13 @@ static int take_chunks(Stream *s, int64_t now) {
  * woken to take it. */
 static void front_let_go(Relay *r, Front *f, int why) {
     if (f->client >= 0) {
-        if (f->lent && f->stream == NULL) epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->client, NULL);
+        if (f->stream == NULL) epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->client, NULL);
         close(f->client);
     }
-    if (f->up >= 0) close(f->up);
+    if (f->up >= 0) {
+        if (f->stream == NULL) epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->up, NULL);
+        close(f->up);
+    }
     f->client = f->up = -1;
     if (f->prev) f->prev->next = f->next; else r->fronts = f->next;
     if (f->next) f->next->prev = f->prev;
@@ -833,22 +864,24 @@ static void front_keep(Relay *r, Stream *s) {
         if (r->fronts) r->fronts->prev = f;
         r->fronts = f;
         s->kept = f;
-        f->lent = 1;  /* Python paused its reads of the client when it asked to keep it */
     } else {
         f->stream = NULL;
         s->front = NULL;
     }
     epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->up, NULL);
+    if (s->watch_client) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
+    s->watch_client = 0;
     f->client = s->client;
     f->up = s->up;
     s->client = s->up = -1;
     f->len = 0;
-    if (f->lent) {
-        struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 2};
-        if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, f->client, &ev) != 0) {
-            f->lent = 0;
-            front_let_go(r, f, FRONT_EOF);
-        }
+    /* Idle: the client's next request, and the upstream's close (or anything it sends). */
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 2};
+    struct epoll_event up = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 3};
+    if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, f->client, &ev) != 0) {
+        front_let_go(r, f, FRONT_EOF);
+    } else if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, f->up, &up) != 0) {
+        front_let_go(r, f, FRONT_EOF);
     }
 }
 
@@ -1146,8 +1179,8 @@ static int front_request(Relay *r, Front *f) {
                  (unsigned long long)b);
         rid = s->f_rid; rid_len = 32;
     } else {
-        memcpy(s->f_rid, rid, (size_t)(rid_len < 32 ? rid_len : 32));  /* (prototype) */
-        s->f_rid[rid_len < 32 ? rid_len : 32] = 0;
+        memcpy(s->f_rid, rid, (size_t)rid_len);  /* at most 200 bytes (above) */
+        s->f_rid[rid_len] = 0;
     }
     /* The body with `stream_options` appended before its closing brace (`_with_options`). */
     Py_ssize_t text = body_len;
@@ -1173,9 +1206,12 @@ static int front_request(Relay *r, Front *f) {
     s->head_rid = malloc((size_t)rid_len + 20);
     s->head_post = malloc(32);
     s->f_model = model_len ? malloc((size_t)model_len) : NULL;
+    s->f_req = malloc((size_t)len);
     if (s->head_pre == NULL || s->head_rid == NULL || s->head_post == NULL
-        || (model_len && s->f_model == NULL))
+        || (model_len && s->f_model == NULL) || s->f_req == NULL)
         goto spare;
+    memcpy(s->f_req, d, (size_t)len);
+    s->f_req_len = len;
     memcpy(s->head_pre, pre, (size_t)pre_n);
     memcpy(s->head_pre + pre_n, r->f_rest, (size_t)r->f_rest_len);
     s->head_pre_len = pre_n + r->f_rest_len;
@@ -1208,17 +1244,21 @@ static int front_request(Relay *r, Front *f) {
     f->stream = s;
     f->len = 0;
     epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->client, NULL);
+    epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->up, NULL);
     pthread_mutex_lock(&r->lock);
+    s->f_in_flight = r->py_in_flight + r->f_unseen;
+    r->f_unseen++;
     s->next = r->active;
     if (r->active) r->active->prev = s;
     r->active = s;
     pthread_mutex_unlock(&r->lock);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
     epoll_ctl(r->epfd, EPOLL_CTL_ADD, s->up, &ev);
+    watch_client(s);
     return 1;
 spare:
-    free(s->head_pre); free(s->head_rid); free(s->head_post); free(s->f_model);
-    s->head_pre = s->head_rid = s->head_post = s->f_model = NULL;
+    free(s->head_pre); free(s->head_rid); free(s->head_post); free(s->f_model); free(s->f_req);
+    s->head_pre = s->head_rid = s->head_post = s->f_model = s->f_req = NULL;
     pthread_mutex_lock(&r->lock);
     s->next = r->spares;
     r->spares = s;
@@ -1232,7 +1272,16 @@ python:
 #undef PUT
 #undef PUTS
 
-/* A lent front's client is readable: the next request's bytes, or its close. */
+/* An idle front's upstream closed, or sent what nobody asked for: the front goes back to
+ * Python, with what the client sent of its next request so far. */
+static void front_upstream(Relay *r, Front *f) {
+    if (f->up < 0 || f->stream != NULL) return;
+    pthread_mutex_lock(&r->lock);
+    front_let_go(r, f, FRONT_PYTHON);
+    pthread_mutex_unlock(&r->lock);
+}
+
+/* A kept front's client is readable: the next request's bytes, or its close. */
 static void front_ready(Relay *r, Front *f) {
     if (f->client < 0 || f->stream != NULL) return;
     if (f->len >= FRONT_CAP) {
@@ -1294,7 +1343,7 @@ static void upstream_ready(Relay *r, Stream *s) {
         hand_back(r, s, END_CLIENT_ERROR);
     } else if (ending != END_NONE) {  /* at the end, what the client did not take is `unsent` */
         if (ending == END_BODY && sent == 0 && s->end_written && s->in_len == 0 && s->held == 0
-            && (s->keep != NULL || s->front != NULL) && !r->closing)
+            && (s->keep != NULL || s->front != NULL) && !r->closing && r->front_on)
             front_keep(r, s);
         hand_back(r, s, ending);
     } else if (sent == 1) {
@@ -1306,7 +1355,9 @@ static void upstream_ready(Relay *r, Stream *s) {
 
 /* The blocked client can take more (or its socket broke). */
 static void client_ready(Relay *r, Stream *s, uint32_t events) {
-    int sent = (events & (EPOLLERR | EPOLLHUP)) ? -1 : flush(s);
+    if (!(events & (EPOLLERR | EPOLLHUP | EPOLLRDHUP)) && !s->blocked) return;
+    int sent = (events & (EPOLLERR | EPOLLHUP | EPOLLRDHUP)) ? -1 : flush(s);
+    if (sent < 0 && !s->err) s->err = EPIPE;
     pthread_mutex_lock(&r->lock);
     if (sent < 0) {
         hand_back(r, s, END_CLIENT_ERROR);
@@ -1339,6 +1390,14 @@ static void *run(void *arg) {
                     if (s->stop_asked || r->closing) hand_back(r, s, END_ASKED);
                     s = next;
                 }
+                if (!r->front_on) {  /* the front stopped: idle connections go back */
+                    Front *f = r->fronts;
+                    while (f != NULL) {
+                        Front *next = f->next;
+                        if (f->stream == NULL) front_let_go(r, f, FRONT_ASKED);
+                        f = next;
+                    }
+                }
                 int closing = r->closing;
                 pthread_mutex_unlock(&r->lock);
                 if (closing) { publish(r); return NULL; }
@@ -1346,9 +1405,10 @@ static void *run(void *arg) {
             }
             uintptr_t tag = (uintptr_t)ptr & 3;
             if (tag == 2) { front_ready(r, (Front *)((uintptr_t)ptr & ~(uintptr_t)3)); continue; }
+            if (tag == 3) { front_upstream(r, (Front *)((uintptr_t)ptr & ~(uintptr_t)3)); continue; }
             Stream *s = (Stream *)((uintptr_t)ptr & ~(uintptr_t)3);
             if (s->up < 0) continue;  /* handed back earlier in this batch */
-            if (tag) { if (s->blocked) client_ready(r, s, evs[i].events); }
+            if (tag) client_ready(r, s, evs[i].events);
             else if (!s->blocked) upstream_ready(r, s);
         }
         publish(r);
@@ -1361,7 +1421,9 @@ static void *run(void *arg) {
 static void Stream_dealloc(Stream *s) {
     Py_XDECREF(s->owner);
     Py_XDECREF(s->keep);
+    Py_XDECREF(s->f_conn);
     free(s->f_model);
+    free(s->f_req);
     free(s->in); free(s->out); free(s->log);
     free(s->head_pre); free(s->head_rid); free(s->head_post); free(s->head_raw);
     Py_XDECREF((PyObject *)s->relay);
@@ -1469,40 +1531,15 @@ static PyObject *Stream_front(Stream *s, void *Py_UNUSED(c)) {
     PyObject *model = s->f_model != NULL
         ? PyBytes_FromStringAndSize(s->f_model, s->f_model_len) : Py_NewRef(Py_None);
     if (model == NULL) return NULL;
-    return Py_BuildValue("(yLLLNi)", s->f_rid, (long long)s->f_arrival_ns,
-                         (long long)s->f_wall_ns, (long long)s->f_sent_ns, model, s->f_endpoint);
+    return Py_BuildValue("(yLLLNii)", s->f_rid, (long long)s->f_arrival_ns,
+                         (long long)s->f_wall_ns, (long long)s->f_sent_ns, model, s->f_endpoint,
+                         s->f_in_flight);
 }
 
-static PyObject *Stream_lend(Stream *s, PyObject *Py_UNUSED(ignored)) {
-    /* (prototype) Python paused its own reads of the client: the thread reads its next
-     * request. False when the front could not be lent (it goes to `closed()`). */
-    Relay *r = s->relay;
-    int ok = 0;
-    pthread_mutex_lock(&r->lock);
-    Front *f = s->kept;
-    s->kept = NULL;
-    if (f != NULL) {
-        if (f->client >= 0 && !r->closing) {
-            struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 2};
-            f->lent = 1;
-            ok = epoll_ctl(r->epfd, EPOLL_CTL_ADD, f->client, &ev) == 0;
-            if (!ok) f->lent = 0;
-        }
-        if (!ok) front_let_go(r, f, FRONT_ASKED);
-    }
-    pthread_mutex_unlock(&r->lock);
-    return PyBool_FromLong(ok);
-}
-
-static PyObject *Stream_release(Stream *s, PyObject *Py_UNUSED(ignored)) {
-    /* (prototype) The front kept at this stream's end is not lent: let it go. */
-    Relay *r = s->relay;
-    pthread_mutex_lock(&r->lock);
-    Front *f = s->kept;
-    s->kept = NULL;
-    if (f != NULL) front_let_go(r, f, FRONT_ASKED);
-    pthread_mutex_unlock(&r->lock);
-    Py_RETURN_NONE;
+static PyObject *Stream_front_request(Stream *s, void *Py_UNUSED(c)) {
+    /* A front's request: the client's bytes as the thread read them (None: not one). */
+    if (s->f_req == NULL) Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize(s->f_req, s->f_req_len);
 }
 
 static PyMemberDef Stream_members[] = {
@@ -1519,6 +1556,8 @@ static PyMemberDef Stream_members[] = {
      "time of the read that completed the held chunk"},
     {"head_ns", T_LONGLONG, offsetof(Stream, head_ns), READONLY,
      "time of the read that completed the upstream's head (once `head` is not None)"},
+    {"front_conn", T_OBJECT, offsetof(Stream, f_conn), READONLY,
+     "a front's stream: its connection object, once the front went with it"},
     {NULL},
 };
 
@@ -1529,6 +1568,7 @@ static PyGetSetDef Stream_getset[] = {
     {"head", (getter)Stream_head, NULL, NULL, NULL},
     {"kept", (getter)Stream_kept, NULL, NULL, NULL},
     {"front", (getter)Stream_front, NULL, NULL, NULL},
+    {"front_request", (getter)Stream_front_request, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -1537,8 +1577,6 @@ static PyMethodDef Stream_methods[] = {
     {"clocks", (PyCFunction)Stream_clocks, METH_NOARGS, NULL},
     {"stop", (PyCFunction)Stream_stop, METH_NOARGS, NULL},
     {"urge", (PyCFunction)Stream_urge, METH_NOARGS, NULL},
-    {"lend", (PyCFunction)Stream_lend, METH_NOARGS, NULL},
-    {"release", (PyCFunction)Stream_release, METH_NOARGS, NULL},
     {NULL},
 };
 
@@ -1687,8 +1725,11 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
     r->active = s;
     pthread_mutex_unlock(&r->lock);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
-    if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, s->up, &ev) != 0) {
+    /* A stream that may keep its connections: the event loop paused its reads of the client. */
+    if ((s->keep != NULL && watch_client(s) != 0)
+            || epoll_ctl(r->epfd, EPOLL_CTL_ADD, s->up, &ev) != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
+        if (s->watch_client) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
         pthread_mutex_lock(&r->lock);
         if (s->prev) s->prev->next = s->next; else r->active = s->next;
         if (s->next) s->next->prev = s->prev;
@@ -1749,7 +1790,7 @@ static PyObject *Relay_due(Relay *r, PyObject *args) {
     if (list == NULL) return NULL;
     pthread_mutex_lock(&r->lock);
     for (Stream *s = r->active; s != NULL; s = s->next) {
-        if (s->owner == NULL || s->owner == Py_None || s->front_request) continue;
+        if (s->owner == NULL || s->owner == Py_None || (s->front_request && !s->f_seen)) continue;
         if (s->polled_ns <= replay_before || s->unpolled_first || s->last_read_ns < idle_before
                 || (s->blocked_since_ns && s->blocked_since_ns < stall_before)) {
             if (PyList_Append(list, s->owner) < 0) { Py_CLEAR(list); break; }
@@ -1829,15 +1870,43 @@ static PyObject *Relay_closed(Relay *r, PyObject *Py_UNUSED(ignored)) {
     PyObject *list = PyList_New(0);
     while (f != NULL) {
         Front *next = f->next;
-        PyObject *item = Py_BuildValue("(Niy#)", f->owner, f->why, f->buf,
-                                       f->why == FRONT_PYTHON ? f->len : (Py_ssize_t)0);
-        if (item == NULL || list == NULL || PyList_Append(list, item) < 0) Py_CLEAR(list);
-        Py_XDECREF(item);
+        if (f->owner != NULL) {  /* (else it went with its stream: `front_conn`) */
+            PyObject *item = Py_BuildValue("(Niy#L)", f->owner, f->why, f->buf,
+                                           f->why == FRONT_PYTHON ? f->len : (Py_ssize_t)0,
+                                           (long long)(f->len ? f->first_ns : 0));
+            if (item == NULL || list == NULL || PyList_Append(list, item) < 0) Py_CLEAR(list);
+            Py_XDECREF(item);
+        }
         free(f->buf);
         free(f);
         f = next;
     }
     return list;
+}
+
+static PyObject *Relay_front_started(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    /* The front's streams held now that Python has not looked at yet (then it has). */
+    PyObject *list = PyList_New(0);
+    if (list == NULL) return NULL;
+    pthread_mutex_lock(&r->lock);
+    for (Stream *s = r->active; s != NULL && r->f_unseen > 0; s = s->next) {
+        if (!s->front_request || s->f_seen) continue;
+        if (PyList_Append(list, (PyObject *)s) < 0) { Py_CLEAR(list); break; }
+        s->f_seen = 1;
+        r->f_unseen--;
+    }
+    pthread_mutex_unlock(&r->lock);
+    return list;
+}
+
+static PyObject *Relay_front_stop(Relay *r, PyObject *Py_UNUSED(ignored)) {
+    /* The front takes no more requests: idle connections go back to Python (`closed()`),
+     * and each answering one at its request's end. */
+    pthread_mutex_lock(&r->lock);
+    r->front_on = 0;
+    pthread_mutex_unlock(&r->lock);
+    wake(r->wake_fd);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored)) {
@@ -1866,7 +1935,17 @@ static PyMethodDef Relay_methods[] = {
     {"front_config", (PyCFunction)Relay_front_config, METH_VARARGS, NULL},
     {"stock", (PyCFunction)Relay_stock, METH_VARARGS, NULL},
     {"closed", (PyCFunction)Relay_closed, METH_NOARGS, NULL},
+    {"front_started", (PyCFunction)Relay_front_started, METH_NOARGS, NULL},
+    {"front_stop", (PyCFunction)Relay_front_stop, METH_NOARGS, NULL},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyMemberDef Relay_members[] = {
+    {"in_flight", T_INT, offsetof(Relay, py_in_flight), 0,
+     "Python's requests in flight (for a front request's count at arrival)"},
+    {"front_unseen", T_INT, offsetof(Relay, f_unseen), READONLY,
+     "front requests in flight that Python has not looked at yet"},
     {NULL},
 };
 
@@ -1878,6 +1957,7 @@ static PyTypeObject RelayType = {
     .tp_new = Relay_new,
     .tp_dealloc = (destructor)Relay_dealloc,
     .tp_methods = Relay_methods,
+    .tp_members = Relay_members,
 };
 
 /* -- Python: the replay's arithmetic ------------------------------------------------------ */

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from enum import Enum
 from time import perf_counter_ns
 from typing import Any
 
@@ -57,17 +58,26 @@ ENDED_HOOK = "phasewatch.native_ended"
 log = logging.getLogger(__name__)
 
 
+class Lending(Enum):
+    """Where a client connection is with the native front (front.py)."""
+
+    NO = "no"  # the event loop reads it
+    STREAM = "stream"  # a stream that may keep it is in the native leg: reads paused
+    IDLE = "idle"  # the native thread holds it between requests
+
+
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "arrival_ns", "followed", "front", "on_disconnect", "on_followed",
-                 "on_pause", "on_resume", "plain_fd", "protocol")
+    __slots__ = ("_cycle", "adoption", "arrival_ns", "followed", "front", "on_disconnect",
+                 "on_followed", "on_pause", "on_resume", "plain_fd", "protocol")
 
     def __init__(self, arrival_ns: int, plain_fd: int | None = None,
                  protocol: Any = None) -> None:
         self.arrival_ns = arrival_ns
-        self.protocol = protocol  # (front prototype) the connection's protocol
-        self.front: Any = None  # (front prototype) its connections, if kept at the end
+        self.protocol = protocol  # the connection's (the native front's, front.py)
+        self.front: Any = None  # the connections, kept at the stream's end (front.py)
+        self.adoption: Any = None  # a front's request the relay takes over (front.py)
         self.plain_fd = plain_fd  # the connection's socket, for the native leg (native.py)
         self._cycle: RequestResponseCycle | None = None
         # Set by the relay while it writes directly: called as the client's buffer fills/drains.
@@ -87,13 +97,17 @@ class ClientLeg:
         exchange, so each request would otherwise leave them all to the cyclic collector."""
         self._cycle = None
         self.on_pause = self.on_resume = self.on_disconnect = self.on_followed = None
-        self.protocol = self.front = None
+        self.protocol = self.front = self.adoption = None
 
     def queued_behind(self) -> None:
         """The server queued a request behind this one (`PhasewatchHttpProtocol`)."""
         self.followed = True
         if self.on_followed is not None:
             self.on_followed()
+
+    @property
+    def cycle(self) -> RequestResponseCycle | None:
+        return self._cycle
 
     @property
     def gone(self) -> bool:
@@ -244,7 +258,10 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
     _take_ended: Callable[[], None] | None = None
-    reading = False  # (front prototype) in `data_received`
+    # Where the connection is with the native front (front.py): one value.
+    lending = Lending.NO
+    shutting_down = False  # uvicorn asked this connection to shut down
+    _adoption: Any = None  # a front's request the next message is (front.py `Adoption`)
     # (Class-wide) the connections refused so far, logged at most every 10 s.
     _refusals = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
 
@@ -270,13 +287,66 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         if self._refusing:
             return  # answered 503 already; its request is not read
         self._read_ns = perf_counter_ns()
-        self.reading = True
-        try:
-            if self._take_ended is not None:
-                self._take_ended()
-            super().data_received(data)
-        finally:
-            self.reading = False
+        if self._take_ended is not None:
+            self._take_ended()
+        super().data_received(data)
+
+    # -- the native front (front.py) -----------------------------------------------------------
+
+    def lend(self) -> None:
+        """A stream going to the native leg may keep this connection at its end: reads pause
+        (the thread reads the next request; a disconnect is heard on its writes)."""
+        self.lending = Lending.STREAM
+        self.transport.pause_reading()
+
+    def lent_idle(self) -> None:
+        """The thread holds the connection between requests: no keep-alive timeout here."""
+        self.lending = Lending.IDLE
+        task = self.timeout_keep_alive_task
+        if task is not None:
+            task.cancel()
+            self.timeout_keep_alive_task = None
+
+    def from_front(self, data: bytes, arrival_ns: int) -> None:
+        """The connection is the event loop's again, with the bytes the thread read of the next
+        request (`arrival_ns`: when their first came)."""
+        was, self.lending = self.lending, Lending.NO
+        transport = self.transport
+        if was is Lending.NO or transport.is_closing():
+            return
+        if self.shutting_down and not data:
+            transport.close()
+            return
+        if was is Lending.IDLE and self.timeout_keep_alive_task is None and not data:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        transport.resume_reading()
+        if data:
+            self._take_front(data, arrival_ns)
+        if self.shutting_down:
+            super().shutdown()
+
+    def adopt(self, request: bytes, adoption: Any) -> bool:
+        """Take a front's request over: its bytes go through uvicorn again, and the relay,
+        seeing `adoption`, goes on from where the thread left the stream. False when the
+        client's connection is gone."""
+        self.lending = Lending.NO
+        transport = self.transport
+        if transport.is_closing():
+            return False
+        self._adoption = adoption
+        transport.resume_reading()
+        self._take_front(request, adoption.arrival_ns)
+        if self._adoption is not None:  # uvicorn did not make it a request: nobody takes it
+            self._adoption = None
+            return False
+        return True
+
+    def _take_front(self, data: bytes, arrival_ns: int) -> None:
+        if self._take_ended is not None:
+            self._take_ended()
+        self._read_ns = arrival_ns or perf_counter_ns()
+        super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -285,7 +355,9 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
             # Pipelined: this request waits for the one ahead's cycle to complete (uvicorn
             # queues it), so that one's end must not wait for the event loop's next wake-up.
             ahead.queued_behind()
-        self._leg = ClientLeg(self._read_ns, self._plain_fd, self)
+        leg = self._leg = ClientLeg(self._read_ns, self._plain_fd, self)
+        if self._adoption is not None:
+            leg.adoption, self._adoption = self._adoption, None
         # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
         self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]
 
@@ -300,7 +372,9 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         begin = self.app_state.get(SHUTDOWN_HOOK)
         if callable(begin):
             begin()
-        super().shutdown()
+        self.shutting_down = True
+        if self.lending is Lending.NO:  # (else when the native front gives it back)
+            super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

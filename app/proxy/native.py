@@ -102,15 +102,18 @@ class Stream(Protocol):
     head: bytes | None  # (started at the head) the upstream's head, once the thread took it
     head_ns: int  # the time of the read that completed it
 
-    kept: bool  # (front prototype) its connections were kept at its clean end
-    front: tuple[bytes, int, int, int, bytes | None, int] | None  # (front prototype)
+    kept: bool  # its connections were kept at its clean end (the native front, front.py)
+    # A front's request: (request id, arrival, wall clock at arrival in ns, sent, model JSON,
+    # endpoint 0/1, requests in flight at arrival); its bytes; its connection object once the
+    # front went with it.
+    front: tuple[bytes, int, int, int, bytes | None, int, int] | None
+    front_request: bytes | None
+    front_conn: Any
 
     def poll(self) -> tuple[bytes, int, int]: ...
     def clocks(self) -> tuple[int, int]: ...
     def stop(self) -> None: ...
     def urge(self) -> None: ...
-    def lend(self) -> bool: ...
-    def release(self) -> None: ...
 
 
 class Owner(Protocol):
@@ -132,19 +135,45 @@ class NativeRelay:
         self._open = True
         # Faults that would recur per stream: each kind logged once a minute.
         self._start_faults, self._hand_back_faults = LogThrottle(), LogThrottle()
-        self.after_batch: Any = None  # (front prototype) the front's restock
+        self.after_batch: Any = None  # the front's restock, after each batch handed back
         self._front = False
         loop.add_reader(self._relay.fileno(), self._returned)
 
     def front_config(self, date: bool, rest: bytes, prefix: bytes, host: bytes, admin: bytes,
                      max_body: int) -> None:
-        """(prototype) The front takes plain requests on lent connections from here on."""
+        """The front (front.py) takes plain requests on kept connections from here on: the
+        client head's server headers (`date` first if `date`, then `rest`), the upstream's base
+        path and host header, the admin token's header (never forwarded), the body limit."""
         self._relay.front_config(date, rest, prefix, host, admin, max_body)
         self._front = True
 
     def stock(self, owner: Any, n: int) -> int:
+        """`n` more stream objects for the front's requests, owned by `owner` until Python
+        looks at them; how many the thread has at hand."""
         have: int = self._relay.stock(owner, n)
         return have
+
+    def front_started(self) -> list[Stream]:
+        """The front's streams held now that Python had not looked at."""
+        streams: list[Stream] = self._relay.front_started()
+        return streams
+
+    def front_stop(self) -> None:
+        self._relay.front_stop()
+
+    @property
+    def front_unseen(self) -> int:
+        unseen: int = self._relay.front_unseen
+        return unseen
+
+    @property
+    def in_flight(self) -> int:
+        count: int = self._relay.in_flight
+        return count
+
+    @in_flight.setter
+    def in_flight(self, count: int) -> None:
+        self._relay.in_flight = count
 
     def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
               owner: Owner, head: tuple[bytes, bytes, bytes] | None = None,
@@ -192,11 +221,12 @@ class NativeRelay:
                 self._hand_back_faults.exception(
                     log, "could not take a stream back from the native relay")
         if self._front:
-            for owner, why, data in self._relay.closed():
+            for owner, _why, data, arrival_ns in self._relay.closed():
                 try:
-                    owner.let_go(why, data)
+                    owner.give_back(data, arrival_ns)
                 except Exception:
-                    self._hand_back_faults.exception(log, "could not take a front back")
+                    self._hand_back_faults.exception(
+                        log, "could not take a connection back from the native front")
             if self.after_batch is not None:
                 self.after_batch()
 

@@ -59,7 +59,7 @@ from phasewatch.proxy.asgi import (
 from phasewatch.proxy.client_leg import ClientLeg, client_leg
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.finish import finish
-from phasewatch.proxy.front import Front
+from phasewatch.proxy.front import Adoption, Front
 from phasewatch.proxy.live import LiveView
 from phasewatch.proxy.native import Ending, Stream, replay
 from phasewatch.proxy.request_plan import RequestPlan, plan_request
@@ -118,6 +118,7 @@ _ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_T
 _NAMED = frozenset({REQUEST_ID, RUN_ID, CONTENT_LENGTH})
 # Endings that may find the task blocked in an ASGI send the client does not drain.
 _FORCED = frozenset({Phase.IDLE_TIMEOUT, Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
+_FORCED_BY_NAME = {phase.value: phase for phase in _FORCED}
 
 
 async def relay(
@@ -125,31 +126,41 @@ async def relay(
 ) -> None:
     leg = client_leg(scope)
     arrival_ns = leg.arrival_ns if leg is not None else perf_counter_ns()
-    timing = StreamTiming(arrival_ns)
     named = headers_named(scope, _NAMED)
-    request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
+    # A request the native front sent upstream and gave back to this path (front.py): its
+    # timing goes on from what Python replayed of it.
+    adoption: Adoption | None = leg.adoption if leg is not None else None
+    if adoption is not None:
+        request_id, timing = adoption.request_id, adoption.timing
+    else:
+        request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
+        timing = StreamTiming(arrival_ns)
     # Filing a request under a benchmark run changes that run's figures: only an admin may
     # (asked only of a request that names a run).
     run_id = named.get(RUN_ID)
     if run_id is not None and not ctx.admin.allows(scope["headers"], bearer=False):
         run_id = None
+    native = ctx.native
     record = RequestRecord(
         request_id=request_id,
-        started_at=datetime.now(UTC),
+        started_at=datetime.now(UTC) if adoption is None else adoption.started_at,
         endpoint=endpoint,
         model=None,
         upstream=ctx.upstream,
         stream=False,
         outcome=Outcome.OK,
         http_status=None,
-        in_flight_at_arrival=ctx.in_flight,
+        in_flight_at_arrival=(ctx.in_flight + (native.front_unseen if native is not None else 0)
+                              if adoption is None else adoption.in_flight),
         run_id=run_id.decode("latin-1") if run_id else None,
     )
     ctx.in_flight += 1
     ctx.metrics.in_flight.inc()
+    if native is not None:
+        native.in_flight = ctx.in_flight
     request_trace = None
     try:
-        if ctx.shutdown.stage is Stage.ENDING:
+        if ctx.shutdown.stage is Stage.ENDING and adoption is None:
             record.outcome, record.http_status = Outcome.SHUTDOWN, 503
             record.error = "arrived after phasewatch's shutdown grace"
             await send_error(send, 503, "phasewatch is shutting down: retry",
@@ -162,8 +173,10 @@ async def relay(
         if ctx.otel is not None:
             request_trace = ctx.otel.begin(scope["headers"], endpoint, plan.model, plan.stream,
                                            arrival_ns)
-        ctx.metrics.observe_proxy_queue((perf_counter_ns() - arrival_ns) / NS)
-        await Exchange(ctx, scope, plan, record, timing, leg, request_trace).run(receive, send)
+        sent_ns = perf_counter_ns() if adoption is None else adoption.sent_ns
+        ctx.metrics.observe_proxy_queue((sent_ns - arrival_ns) / NS)
+        await Exchange(ctx, scope, plan, record, timing, leg, request_trace,
+                       adoption).run(receive, send)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
     except BodyTooLarge as exc:
@@ -174,22 +187,26 @@ async def relay(
             timing.end_ns = perf_counter_ns()
         ctx.in_flight -= 1
         ctx.metrics.in_flight.dec()
+        if native is not None:
+            native.in_flight = ctx.in_flight
         finish(ctx, record, timing, request_trace)
 
 
 class Exchange:
     """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
 
-    __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
-                 "_head", "_headers", "_leg", "_lost", "_native", "_native_tried", "_pending",
-                 "_pending_size", "_plan", "_prefix", "_record", "_replayed_ns", "_responded",
-                 "_scope", "_status", "_task", "_timing", "_trace", "_unwritten", "_wake",
-                 "client_blocked_ns", "label", "last_read_ns", "phase")
+    __slots__ = ("_adoption", "_blocked_in_send", "_body", "_conn", "_ctx", "_direct",
+                 "_end_ns", "_feed", "_head", "_headers", "_leg", "_lost", "_native",
+                 "_native_tried", "_pending", "_pending_size", "_plan", "_prefix", "_record",
+                 "_replayed_ns", "_responded", "_scope", "_status", "_task", "_timing", "_trace",
+                 "_unwritten", "_wake", "client_blocked_ns", "label", "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
                  record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None,
-                 request_trace: RequestTrace | None = None) -> None:
+                 request_trace: RequestTrace | None = None,
+                 adoption: Adoption | None = None) -> None:
         self._ctx = ctx
+        self._adoption = adoption
         self._trace = request_trace  # its span's context replaces the client's upstream
         self._scope = scope
         self._plan = plan
@@ -536,8 +553,9 @@ class Exchange:
             # the end, what that read brought goes out with it, in one write, below.) Then the
             # upstream's parser hears the end the native leg read for it (`on_end`, and
             # `on_read_end`, which has nothing left to write once the response is complete).
-            lent = stream.kept and leg is not None
-            if lent:
+            lent = False
+            if stream.kept and leg is not None:
+                lent = True
                 Front.kept(leg)
             else:
                 if leg is not None and leg.front is not None:
@@ -548,7 +566,7 @@ class Exchange:
                 else:
                     self._prefix = stream.unsent
             conn.take(_LAST_CHUNK, stream.leftover_ns)
-            if lent:  # (front prototype) the connection stays with the native thread
+            if lent:  # the upstream connection stays with the native thread (front.py)
                 self._conn = None
                 conn.lend()
             self._wake_up()
@@ -647,8 +665,22 @@ class Exchange:
             headers.extend(trace.upstream_headers)
         headers.append((REQUEST_ID, record.request_id.encode("latin-1")))
         request = ctx.pool.request(b"POST", target, headers, self._plan.body)
+        conn: UpstreamConnection | None
         for attempt in range(2):
-            conn = ctx.pool.take_idle()
+            adoption, self._adoption = self._adoption, None
+            if adoption is not None:
+                # The native front sent this request on its kept connection and relayed what
+                # it could: go on from where it left the stream, as from this exchange's own
+                # native leg. An ending the live registry gave it comes next.
+                conn = self._conn = adoption.conn
+                self._move(Phase.WAITING)
+                conn.adopt(self)
+                self._native, self._head = adoption.stream, Head.NATIVE
+                self.native_returned(adoption.stream)
+                if adoption.forced is not None:
+                    self._force(_FORCED_BY_NAME[adoption.forced])
+            else:
+                conn = ctx.pool.take_idle()
             if conn is None:
                 try:
                     conn = await self._unless_ended(ctx.pool.connect())
@@ -660,10 +692,11 @@ class Exchange:
                                               f"upstream unreachable: {type(exc).__name__}")
                 if conn is None:
                     return await self._ended_before_head(send)
-            self._conn = conn
-            self._move(Phase.WAITING)
-            conn.send(self, request)
-            self._start_native_at_head()
+            if adoption is None:
+                self._conn = conn
+                self._move(Phase.WAITING)
+                conn.send(self, request)
+                self._start_native_at_head()
             while self.phase is Phase.WAITING:
                 await self._next()
             while self._native is not None and self.phase in _ENDINGS:

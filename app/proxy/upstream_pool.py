@@ -95,8 +95,21 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
 
     def lend(self) -> None:
-        """(front prototype) Kept by the native front, paused: no exchange hears it."""
+        """Kept by the native front (front.py), paused: no exchange hears it. It stays busy
+        (out of the pool) until the front gives it back (`finish`) or it is closed."""
         self._handler = None
+
+    def adopt(self, handler: UpstreamHandler) -> None:
+        """The native front sent a request on this connection: its response is `handler`'s,
+        from the bytes the front hands over (`take`)."""
+        self._handler = handler
+        self._headers = []
+        self._last_read, self._last_piece = b"", None
+        self._responded = False
+        self._body_until_close = False
+        self.keep_alive = False
+        self.state = ConnState.BUSY
+        self.reused = True
 
     def close(self) -> None:
         self._handler = None

@@ -1,0 +1,334 @@
+"""The native front (app/proxy/front.py, _native.c) changes nothing a client or a record sees.
+
+A kept-alive connection's requests after the first go to two proxies under uvicorn, one with
+the front and one without, from the raw upstream of test_native_relay.py: the bytes of every
+response (its head too, the request id aside) and the records are the same, and the front
+really took the plain requests (`phasewatch_native_front_requests`). Also through it: requests
+the front leaves to Python on such a connection, an upstream's error status and error event
+(the Python path takes the request over from the front), a client that leaves, an upstream
+that closes an idle kept connection, a request in flight as a scrape sees it, and the idle
+timeout.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import Proxy
+from tests.proxy.test_native_relay import (
+    ASK,
+    ASK_USAGE,
+    RawUpstream,
+    _chunk,
+    _ending,
+    _event,
+    _frame,
+    _tokens,
+    raw_upstream,  # noqa: F401 (a fixture)
+)
+from tests.support.served import parse_metrics
+
+pytest.importorskip("phasewatch.proxy._native", reason="the native relay is not built here")
+
+STREAM = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), *_ending(30)]
+_RID = re.compile(rb"x-request-id: [0-9a-zA-Z-]+\r\n")
+_DATE = re.compile(rb"date: [^\r]+\r\n")
+
+
+def _request(body: dict[str, Any] | bytes, headers: bytes = b"",
+             path: bytes = b"/v1/chat/completions") -> bytes:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    return (b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n%b"
+            b"content-length: %d\r\n\r\n%b" % (path, headers, len(data), data))
+
+
+class _Connection:
+    """One client connection; each response returned whole, as raw bytes."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        host, port = proxy.url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=20)
+        self._parser = httptools.HttpResponseParser(self)
+        self._pending = b""
+        self._complete = False
+
+    def on_message_complete(self) -> None:
+        self._complete = True
+
+    def ask(self, request: bytes) -> bytes:
+        self.sock.sendall(request)
+        return self.response()
+
+    def response(self) -> bytes:
+        raw = bytearray()
+        self._complete = False
+        while True:
+            data, self._pending = self._pending, b""
+            if not data:
+                data = self.sock.recv(65536)
+                assert data, "the connection closed before the response ended"
+            for i in range(len(data)):  # a byte at a time: the message's last byte is known
+                self._parser.feed_data(data[i:i + 1])
+                if self._complete:
+                    raw += data[:i + 1]
+                    self._pending = data[i + 1:]
+                    return bytes(raw)
+            raw += data
+
+    def started(self) -> None:
+        """Wait for the response's first bytes (kept for `response`)."""
+        self._pending += self.sock.recv(65536)
+        assert self._pending
+
+    def closed(self) -> bool:
+        """The proxy closed the connection (a read sees its end)."""
+        self.sock.settimeout(10)
+        try:
+            return self.sock.recv(65536) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def two_proxies(make_proxy: Callable[..., Proxy],
+                raw_upstream: RawUpstream) -> tuple[Proxy, Proxy]:  # noqa: F811
+    return (make_proxy(raw_upstream.url, native_front=True),
+            make_proxy(raw_upstream.url, native_front=False))
+
+
+def _front(proxy: Proxy) -> float:
+    return proxy.sample("phasewatch_native_front_requests_total")
+
+
+def _same(front: bytes, python: bytes) -> None:
+    """The same response but for the values of the request id and the date."""
+    def masked(raw: bytes) -> bytes:
+        return _DATE.sub(b"date: *\r\n", _RID.sub(b"x-request-id: *\r\n", raw))
+    assert masked(front) == masked(python)
+
+
+@pytest.mark.parametrize("body", [ASK, {**ASK, "n": 1, "max_tokens": 30}],
+                         ids=["plain", "n-1"])
+def test_a_kept_connection_s_next_requests_go_through_the_front_with_the_same_bytes(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,  # noqa: F811
+        body: dict[str, Any]) -> None:
+    raw_upstream.script = STREAM
+    front, python = two_proxies
+    answers = {}
+    for proxy in (front, python):
+        conn = _Connection(proxy)
+        answers[proxy] = [conn.ask(_request(body)) for _ in range(4)]
+        conn.close()
+    for mine, theirs in zip(answers[front], answers[python], strict=True):
+        _same(mine, theirs)
+        assert mine.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and b'"usage"' not in mine
+    ids = {re.search(rb"x-request-id: (\w+)", raw)[1].decode() for raw in answers[front]}
+    records = [front.next_record() for _ in range(4)]
+    assert _front(front) == 3 and _front(python) == 0  # the first request kept the connection
+    assert {r.request_id for r in records} == ids
+    for record in records:
+        assert (record.outcome, record.http_status, record.output_tokens, record.prompt_tokens,
+                record.itl_count, record.tokens_exact, record.model) == (
+                    "ok", 200, 30, 7, 29, True, "m")
+        assert record.endpoint == "chat.completions" and record.stream
+        assert 0 < record.ttft_s < record.e2e_s
+    itl = "phasewatch_inter_token_latency_seconds_count"
+    labels = {"model": "m", "endpoint": "chat.completions"}
+    assert front.sample(itl, labels) == python.sample(itl, labels) == 4 * 29
+    ttft = "phasewatch_time_to_first_token_seconds_count"
+    assert front.sample(ttft, labels) == 4
+
+
+def test_a_client_s_own_request_id_is_the_record_s_and_goes_upstream(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    raw_upstream.script = STREAM
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    conn = _Connection(proxy)
+    conn.ask(_request(ASK))
+    raw = conn.ask(_request(ASK, b"x-request-id: client-chosen-1\r\n"))
+    conn.close()
+    assert b"x-request-id: client-chosen-1\r\n" in raw
+    ids = {proxy.next_record().request_id for _ in range(2)}
+    assert "client-chosen-1" in ids
+    assert _front(proxy) == 1  # (counted by the time its record is stored)
+
+
+def test_requests_the_front_leaves_to_python_are_answered_on_the_same_connection(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    """Each request the front does not take goes to uvicorn with every byte: the client's own
+    `stream_options`, a run id, a completions request, an escaped key, `connection: close`."""
+    raw_upstream.script = STREAM
+    front, python = two_proxies
+    sequence = [
+        _request(ASK),
+        _request(ASK_USAGE),  # its own stream_options: Python's
+        _request(ASK),  # the front's
+        _request(ASK, b"x-phasewatch-run-id: r1\r\n"),  # a run id: Python's
+        _request({"model": "m", "prompt": "hi", "stream": True},
+                 path=b"/v1/completions"),  # the front's
+        _request(b'{"model":"m","messages":[],"stre\\u0061m":true}'),  # escaped: Python's
+        _request(ASK),  # the front's
+        _request(ASK, b"connection: close\r\n"),  # Python's, and the connection closes after
+    ]
+    answers = {}
+    for proxy in (front, python):
+        conn = _Connection(proxy)
+        answers[proxy] = [conn.ask(request) for request in sequence]
+        assert conn.closed()
+        conn.close()
+    for mine, theirs in zip(answers[front], answers[python], strict=True):
+        _same(mine, theirs)
+        assert mine.startswith(b"HTTP/1.1 200 OK\r\n")
+    outcomes = sorted(front.next_record().outcome for _ in sequence)
+    assert outcomes == ["ok"] * len(sequence)
+    assert _front(front) == 3
+
+
+def test_an_upstream_error_status_on_a_front_request_reaches_the_client_unchanged(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    """The front sent the request; the upstream's 400 is not a head it takes: the Python path
+    takes the request over and answers it as it answers any."""
+    front, python = two_proxies
+    error = orjson.dumps({"object": "error", "message": "max_tokens is too large",
+                          "type": "BadRequestError", "param": None, "code": 400})
+    answers = {}
+    for proxy in (front, python):
+        raw_upstream.head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+        raw_upstream.script = STREAM
+        conn = _Connection(proxy)
+        first = conn.ask(_request(ASK))
+        raw_upstream.head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % len(error))
+        raw_upstream.script = [error]
+        second = conn.ask(_request(ASK))
+        raw_upstream.head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+        raw_upstream.script = STREAM
+        third = conn.ask(_request(ASK))
+        conn.close()
+        answers[proxy] = [first, second, third]
+    for mine, theirs in zip(answers[front], answers[python], strict=True):
+        _same(mine, theirs)
+    assert answers[front][1].startswith(b"HTTP/1.1 400 ") and answers[front][1].endswith(error)
+    records = sorted((r.http_status, r.outcome) for r in (front.next_record() for _ in range(3)))
+    assert records == [(200, "ok"), (200, "ok"), (400, "http_error")]
+    # The front sent the second; the Python path that took it over serves the third.
+    assert _front(front) == 1
+
+
+def test_an_error_event_mid_stream_is_taken_over_where_the_front_left_it(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    error = _frame(_event({"error": {"object": "error", "message": "engine failed",
+                                     "type": "InternalServerError", "code": 500}}))
+    raw_upstream.script = STREAM
+    front, python = two_proxies
+    answers = {}
+    for proxy in (front, python):
+        raw_upstream.script = STREAM
+        conn = _Connection(proxy)
+        first = conn.ask(_request(ASK))
+        raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 10), error,
+                               *_tokens(11, 20), *_ending(20)]
+        second = conn.ask(_request(ASK))
+        answers[proxy] = [first, second]
+        conn.close()
+    for mine, theirs in zip(answers[front], answers[python], strict=True):
+        _same(mine, theirs)
+    assert b"engine failed" in answers[front][1]
+    records = [front.next_record(), front.next_record()]
+    theirs = [python.next_record(), python.next_record()]
+    key = sorted((r.outcome, r.output_tokens, r.itl_count) for r in records)
+    assert key == sorted((r.outcome, r.output_tokens, r.itl_count) for r in theirs)
+    assert _front(front) == 1
+
+
+def test_a_client_that_leaves_a_front_request_cancels_it_and_its_upstream_request(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    raw_upstream.script = STREAM
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    conn = _Connection(proxy)
+    conn.ask(_request(ASK))
+    assert proxy.next_record().outcome == "ok"
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), 30.0,
+                           *_tokens(6, 10), *_ending(10)]
+    conn.sock.sendall(_request(ASK))
+    conn.started()  # the head and the first tokens
+    conn.close()  # while the upstream is silent: the thread hears the hang-up itself
+    record = proxy.next_record(timeout=10)
+    assert record.outcome == "cancelled"
+    assert raw_upstream.closed_by_peer.wait(10)  # its upstream request was closed, not read on
+    assert _front(proxy) == 1
+
+
+def test_an_upstream_that_closes_an_idle_kept_connection_leaves_the_next_request_to_python(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    raw_upstream.script = [*STREAM, 0.05, None]  # the upstream closes after each response
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    conn = _Connection(proxy)
+    first = conn.ask(_request(ASK))
+    pool = proxy.server.app.state.proxy.pool
+    deadline = time.monotonic() + 10
+    while pool.open_connections and time.monotonic() < deadline:  # the upstream's close came
+        time.sleep(0.01)
+    assert pool.open_connections == 0
+    second = conn.ask(_request(ASK))
+    conn.close()
+    assert first.endswith(b"0\r\n\r\n") and second.endswith(b"0\r\n\r\n")
+    assert _front(proxy) == 0
+    assert [proxy.next_record().outcome for _ in range(2)] == ["ok", "ok"]
+
+
+def test_a_front_request_in_flight_is_counted_and_timed_at_a_scrape(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    raw_upstream.script = STREAM
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    conn = _Connection(proxy)
+    conn.ask(_request(ASK))
+    proxy.next_record()
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), 2.0,
+                           *_tokens(6, 10), *_ending(10)]
+    conn.sock.sendall(_request(ASK))
+    conn.started()  # its head and first tokens came; the upstream pauses
+    metrics = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=10).text)
+    assert metrics[("phasewatch_requests_in_flight", ())] == 1
+    labels = (("endpoint", "chat.completions"), ("model", "m"))
+    assert metrics[("phasewatch_time_to_first_token_seconds_count", labels)] == 2
+    assert metrics[("phasewatch_streams_decoding", (("model", "m"),))] == 1
+    conn.response()
+    conn.close()
+    assert proxy.next_record().output_tokens == 10
+    metrics = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=10).text)
+    assert metrics[("phasewatch_requests_in_flight", ())] == 0
+
+
+def test_the_idle_timeout_ends_a_silent_front_request_as_it_ends_any(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    front = make_proxy(raw_upstream.url, native_front=True, upstream_idle_timeout_s=0.4)
+    python = make_proxy(raw_upstream.url, native_front=False, upstream_idle_timeout_s=0.4)
+    answers = {}
+    for proxy in (front, python):
+        raw_upstream.script = STREAM
+        conn = _Connection(proxy)
+        conn.ask(_request(ASK))
+        raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), 5.0,
+                               *_tokens(6, 10), *_ending(10)]
+        answers[proxy] = conn.ask(_request(ASK))
+        conn.close()
+        records = sorted(proxy.next_record().outcome for _ in range(2))
+        assert records == ["ok", "timeout"]
+    _same(answers[front], answers[python])
+    assert b"idle" in answers[front] and answers[front].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert _front(front) == 1
