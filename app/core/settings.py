@@ -50,9 +50,10 @@ class Settings(BaseSettings):
     # Relay the running token chunks of an exactly counted stream in the native thread
     # (app/proxy/native.py) where the extension is built; off: every read goes through Python.
     native_relay: bool = True
-    # (Prototype, for measurement) The native thread also takes a kept-alive client's next
-    # plain request (app/proxy/front.py). Leaves out live views, timeouts and take-over.
-    native_front: bool = False
+    # The native thread also takes a kept-alive client's next plain streamed request, sending
+    # it upstream and relaying it with no Python until its end (app/proxy/front.py); needs the
+    # native relay. Off: every request goes through uvicorn and the relay's coroutine.
+    native_front: bool = True
     # A client that takes nothing of its stream for this long (its socket buffer full) is cut
     # off and its upstream request closed, rather than holding an engine slot until the
     # upstream idle timeout.

@@ -166,14 +166,15 @@ struct Front {
     int client, up;           /* owned duplicates (-1 once closed) */
     PyObject *owner;          /* Python's connection object; its reference goes with `closed()` */
     Front *next, *prev;       /* in `fronts` or (next alone) `closed` */
-    char *buf; Py_ssize_t len;  /* the client's bytes of the next request */
+    char *buf; Py_ssize_t len, cap;  /* the client's bytes of the next request */
     int64_t first_ns, first_wall_ns;
     Stream *stream;           /* the stream answering its request (NULL: idle) */
     int why;                  /* FRONT_* once let go */
 };
 
 enum { FRONT_EOF = 1, FRONT_PYTHON = 2, FRONT_STREAM = 3, FRONT_ASKED = 4 };
-#define FRONT_CAP (64 * 1024)
+#define FRONT_CAP (64 * 1024)  /* a longer request goes to Python */
+#define FRONT_BUF 4096  /* a front's buffer to begin with (doubled up to FRONT_CAP) */
 
 static PyTypeObject StreamType;
 
@@ -854,9 +855,10 @@ static void front_keep(Relay *r, Stream *s) {
     Front *f = s->front;
     if (f == NULL) {
         f = calloc(1, sizeof *f);
-        char *buf = f != NULL ? malloc(FRONT_CAP) : NULL;
+        char *buf = f != NULL ? malloc(FRONT_BUF) : NULL;
         if (buf == NULL) { free(f); return; }
         f->buf = buf;
+        f->cap = FRONT_BUF;
         f->relay = r;
         f->owner = s->keep;  /* its reference moves to the front */
         s->keep = NULL;
@@ -1284,11 +1286,16 @@ static void front_upstream(Relay *r, Front *f) {
 /* A kept front's client is readable: the next request's bytes, or its close. */
 static void front_ready(Relay *r, Front *f) {
     if (f->client < 0 || f->stream != NULL) return;
-    if (f->len >= FRONT_CAP) {
-        pthread_mutex_lock(&r->lock); front_let_go(r, f, FRONT_PYTHON);
-        pthread_mutex_unlock(&r->lock); return;
+    if (f->len >= f->cap) {
+        char *bigger = f->cap < FRONT_CAP ? realloc(f->buf, (size_t)f->cap * 2) : NULL;
+        if (bigger == NULL) {
+            pthread_mutex_lock(&r->lock); front_let_go(r, f, FRONT_PYTHON);
+            pthread_mutex_unlock(&r->lock); return;
+        }
+        f->buf = bigger;
+        f->cap *= 2;
     }
-    ssize_t n = recv(f->client, f->buf + f->len, (size_t)(FRONT_CAP - f->len), MSG_DONTWAIT);
+    ssize_t n = recv(f->client, f->buf + f->len, (size_t)(f->cap - f->len), MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
     if (n <= 0) {
         pthread_mutex_lock(&r->lock); front_let_go(r, f, f->len ? FRONT_PYTHON : FRONT_EOF);

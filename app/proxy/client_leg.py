@@ -314,17 +314,14 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         transport = self.transport
         if was is Lending.NO or transport.is_closing():
             return
-        if self.shutting_down and not data:
-            transport.close()
-            return
-        if was is Lending.IDLE and self.timeout_keep_alive_task is None and not data:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler)
         transport.resume_reading()
         if data:
             self._take_front(data, arrival_ns)
-        if self.shutting_down:
+        if self.shutting_down:  # as uvicorn's shutdown left it: closed if idle, else after
             super().shutdown()
+        elif was is Lending.IDLE and not data and self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def adopt(self, request: bytes, adoption: Any) -> bool:
         """Take a front's request over: its bytes go through uvicorn again, and the relay,
@@ -340,6 +337,8 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         if self._adoption is not None:  # uvicorn did not make it a request: nobody takes it
             self._adoption = None
             return False
+        if self.shutting_down:  # its connection closes after its answer
+            super().shutdown()
         return True
 
     def _take_front(self, data: bytes, arrival_ns: int) -> None:

@@ -44,6 +44,7 @@ import orjson
 from phasewatch.core.admin import ADMIN_TOKEN_HEADER
 from phasewatch.core.live import InFlight
 from phasewatch.core.log_throttle import LogThrottle
+from phasewatch.core.metrics import request_exemplar
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.finish import finish
 from phasewatch.proxy.labels import model_name
@@ -260,6 +261,8 @@ class FrontStream:
             timing.observe_ttft, timing.observe_itl = bound.observe_ttft, bound.observe_itl
             timing.observe_itl_counts = bound.observe_itl_counts
             timing.itl_bounds = bound.itl_bounds
+            if ctx.exemplars:
+                timing.exemplar = request_exemplar(record.request_id, None)
         last_read_ns, blocked_ns = replay(stream, timing)
         if last_read_ns > self.last_read_ns:
             self.last_read_ns = last_read_ns

@@ -7,6 +7,7 @@ of the scripted upstream, with streams that would run for a minute. Every wait i
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import sqlite3
@@ -131,3 +132,46 @@ def test_a_second_signal_ends_the_streams_at_once_and_still_flushes(
     assert time.monotonic() - started < 10
     assert_ended_with_an_error_event(streams.bodies)
     assert len(outcomes(db)) == 5
+
+
+def _kept(url: str, script: dict[str, object]) -> tuple[http.client.HTTPConnection, bytes]:
+    """A connection whose first request ended (so the native front keeps it), then `script`
+    asked on it: the front's request."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = orjson.dumps({"model": "m", "prompt": "x", "stream": True})
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    first = conn.getresponse().read()
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json",
+                                                    "x-script": orjson.dumps(script).decode()})
+    return conn, first
+
+
+def test_sigterm_ends_the_native_front_s_streams_and_closes_its_idle_connections(
+    scripted_url: str, tmp_path: Path
+) -> None:
+    """Streams the native front took on kept connections drain and end as any (an error event
+    at the grace's end, a record each), and the connections it holds between requests are
+    closed, so that the process stops within its grace."""
+    db = tmp_path / "pw.db"
+    grace = 2.0
+    with serving(scripted_url, db, grace) as (url, proc):
+        running = [_kept(url, {"tokens": [[0.05, "a", 1], [60.0, "b", 1]]}) for _ in range(4)]
+        wait_for(lambda: total(parse_metrics(httpx.get(url + "/metrics").text),
+                               "phasewatch_native_front_requests_total") == 4,
+                 says="the front took the streams")
+        idle = [_kept(url, {"tokens": [[0.01, "a", 1]]}) for _ in range(3)]
+        for conn, _ in idle:
+            conn.getresponse().read()  # answered; the connection then idles in the front
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        bodies = [conn.getresponse().read() for conn, _ in running]
+        for conn, _ in idle:
+            assert conn.sock is not None and conn.sock.recv(1) == b""  # closed by the server
+        proc.wait(timeout=grace + 10)
+        elapsed = time.monotonic() - started
+    assert grace <= elapsed < grace + 8, elapsed
+    assert_ended_with_an_error_event(bodies)
+    stored = outcomes(db)
+    assert len(stored) == 4 + 4 + 3 + 3
+    assert sorted(outcome for outcome, _ in stored).count("shutdown") == 4

@@ -119,8 +119,10 @@ def _same(front: bytes, python: bytes) -> None:
     assert masked(front) == masked(python)
 
 
-@pytest.mark.parametrize("body", [ASK, {**ASK, "n": 1, "max_tokens": 30}],
-                         ids=["plain", "n-1"])
+@pytest.mark.parametrize("body", [
+    ASK, {**ASK, "n": 1, "max_tokens": 30},
+    {**ASK, "messages": [{"role": "user", "content": "x" * 20000}]},  # past its first buffer
+], ids=["plain", "n-1", "long-prompt"])
 def test_a_kept_connection_s_next_requests_go_through_the_front_with_the_same_bytes(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,  # noqa: F811
         body: dict[str, Any]) -> None:
