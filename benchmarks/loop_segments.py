@@ -13,7 +13,8 @@ that ended in the window. The segments are disjoint and all on the event loop's 
   body, the plan, the record, the exchange, the upstream request written, the native leg's
   start (with, nested in it and listed under it, the calls named there);
 - `relay, middle steps` and `ending`: the coroutine's later steps; the last one finishes the
-  record (`finish`, nested);
+  record (`finish`, nested; it counts the requests, those the native front took too, whose
+  `finish` runs in the native return);
 - `native return`: the native leg handing streams back (`NativeRelay._hand_back`), with the
   response's head parsed in Python and the cycle's completion: on its own wake-up, or taken
   as a client's bytes are read or on a live pass (a quiet ending, native.py), and then not
@@ -35,6 +36,10 @@ wrappers cost two clock reads each (`clock read` below: a system call, since a t
 clock has no vDSO path); their cost lands in the segments and in the loop's total alike.
 One window is a few hundred requests; on a shared VM repeat it (`--repeats`) and read the
 medians, as for every CPU figure here.
+
+With the native front on (the default), a kept-alive connection's requests after its first
+take none of the request's own steps but the `finish` in the native return: `--no-front`
+measures every request on the Python path.
 
 Run: `.venv/bin/python benchmarks/loop_segments.py [--concurrency 256] [--repeats 3]`
 (`--source DIR` measures another checkout, e.g. a git worktree of the commit before).
@@ -145,7 +150,7 @@ if _out:
 
     def _install():
         import phasewatch.main as main
-        from phasewatch.proxy import client_leg, native, relay, upstream_pool, live
+        from phasewatch.proxy import client_leg, front, native, relay, upstream_pool, live
         from phasewatch.store import live_publisher, writer
         from phasewatch.diagnosis import service
         from phasewatch.engine import scraper
@@ -161,6 +166,8 @@ if _out:
             (upstream_pool.UpstreamConnection, "send"): "  the upstream request's write",
             (relay.Exchange, "_start_native_at_head"): "  the native leg's start",
             (relay, "finish"): "  finish",
+            (front, "finish"): "  finish",  # a native front's request, at its end
+            (front.Front, "catch_up"): "  the front's catch-up",
         }
         coroutines = {
             (live.LiveStreams, "refresh"): "duty: live pass",
@@ -243,7 +250,8 @@ TOP = ("intake", "request out", "relay, middle steps", "ending", "native return"
 NESTED = {"request out": ("  read_body", "  plan_request", "  RequestRecord",
                           "  the upstream request's bytes", "  the upstream request's write",
                           "  the native leg's start"),
-          "ending": ("  finish",)}
+          "ending": ("  finish",),
+          "duty: live pass": ("  the front's catch-up",)}
 
 
 def one_window(args: argparse.Namespace, tmp: Path) -> dict[str, tuple[int, int]]:
@@ -256,6 +264,8 @@ def one_window(args: argparse.Namespace, tmp: Path) -> dict[str, tuple[int, int]
     if args.source is not None:
         paths.append(source_env(args.source, tmp)["PYTHONPATH"])
     env = {"PYTHONPATH": os.pathsep.join(paths), "PHASEWATCH_LOOP_SEGMENTS": str(out)}
+    if args.no_front:  # every request through uvicorn and the relay's coroutine
+        env["PHASEWATCH_NATIVE_FRONT"] = "false"
     interval_ms = args.interval_ms = args.concurrency / args.chunk_rate * 1000
     stream_s = args.first_delay_ms / 1000 + args.chunks * interval_ms / 1000
     rate = args.concurrency / stream_s
@@ -305,6 +315,8 @@ def main() -> None:
                    help="seconds of load before the window (at least a stream's life)")
     p.add_argument("--window", type=float, default=20.0, help="seconds measured")
     p.add_argument("--repeats", type=int, default=1, help="windows, each on fresh servers")
+    p.add_argument("--no-front", action="store_true",
+                   help="the native front off: every request takes the Python path's steps")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--client-usage", choices=["none", "final", "continuous"], default="none")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")

@@ -61,6 +61,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <strings.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -103,6 +104,7 @@ typedef struct {
     int f_date_on;       /* the server writes a `date` header */
     int f_unseen;        /* front streams Python has not looked at yet (`front_started`) */
     int py_in_flight;    /* Python's requests in flight, as it last said (`in_flight`) */
+    int64_t f_expire;    /* idle fronts waiting since before this go back (`front_expire`) */
     char *f_rest; Py_ssize_t f_rest_len;      /* the server's headers after `date` */
     char *f_prefix; Py_ssize_t f_prefix_len;  /* the upstream's base path */
     char *f_host; Py_ssize_t f_host_len;      /* the upstream's host header */
@@ -168,11 +170,13 @@ struct Front {
     Front *next, *prev;       /* in `fronts` or (next alone) `closed` */
     char *buf; Py_ssize_t len, cap;  /* the client's bytes of the next request */
     int64_t first_ns, first_wall_ns;
+    int64_t idle_ns;          /* since when it waits for a request */
     Stream *stream;           /* the stream answering its request (NULL: idle) */
     int why;                  /* FRONT_* once let go */
 };
 
-enum { FRONT_EOF = 1, FRONT_PYTHON = 2, FRONT_STREAM = 3, FRONT_ASKED = 4 };
+enum { FRONT_EOF = 1, FRONT_PYTHON = 2, FRONT_STREAM = 3, FRONT_ASKED = 4, FRONT_BROKEN = 5,
+       FRONT_EXPIRED = 6 };
 #define FRONT_CAP (64 * 1024)  /* a longer request goes to Python */
 #define FRONT_BUF 4096  /* a front's buffer to begin with (doubled up to FRONT_CAP) */
 
@@ -877,6 +881,7 @@ static void front_keep(Relay *r, Stream *s) {
     f->up = s->up;
     s->client = s->up = -1;
     f->len = 0;
+    f->idle_ns = now_ns();
     /* Idle: the client's next request, and the upstream's close (or anything it sends). */
     struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 2};
     struct epoll_event up = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = (char *)f + 3};
@@ -1072,14 +1077,24 @@ static int grow(char **buf, Py_ssize_t *len, Py_ssize_t *cap, const char *d, Py_
 #define PUT(d, n) do { if (grow(&req, &req_len, &req_cap, (d), (n)) < 0) goto fail; } while (0)
 #define PUTS(s) PUT((s), (Py_ssize_t)strlen(s))
 
-/* Send all of `d` to a blocking-free socket, waiting for room (prototype). */
-static int send_all(int fd, const char *d, Py_ssize_t n) {
+/* Send all of a request to the upstream; 0 sent, else how much went before it failed (so
+ * -1: nothing). A request longer than the socket's room waits for the upstream to read it,
+ * at most SEND_WAIT_MS in all (an upstream reads a request at once). */
+#define SEND_WAIT_MS 1000
+static Py_ssize_t send_all(int fd, const char *d, Py_ssize_t n) {
     Py_ssize_t off = 0;
+    int waited = 0;
     while (off < n) {
         ssize_t w = send(fd, d + off, (size_t)(n - off), MSG_NOSIGNAL | MSG_DONTWAIT);
         if (w > 0) { off += w; continue; }
         if (w < 0 && errno == EINTR) continue;
-        return -1;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && waited < SEND_WAIT_MS) {
+            struct pollfd p = {.fd = fd, .events = POLLOUT};
+            poll(&p, 1, 10);
+            waited += 10;
+            continue;
+        }
+        return off > 0 ? off : -1;
     }
     return 0;
 }
@@ -1111,6 +1126,7 @@ static int front_request(Relay *r, Front *f) {
     const char *rid = NULL;
     Py_ssize_t rid_len = 0;
     Stream *s = NULL;
+    int broken = 0;
     PUTS("POST ");
     PUT(r->f_prefix, r->f_prefix_len);
     PUT(target, target_len);
@@ -1225,7 +1241,13 @@ static int front_request(Relay *r, Front *f) {
     s->head_post_len = 30;
     if (model_len) memcpy(s->f_model, model, (size_t)model_len);
     s->f_model_len = model_len;
-    if (send_all(f->up, req, req_len) < 0) goto spare;  /* (prototype: nothing or all) */
+    int64_t sending_ns = now_ns();  /* the relay starting to send it (proxy queue's end) */
+    Py_ssize_t failed = send_all(f->up, req, req_len);
+    if (failed != 0) {  /* nothing went: Python's, on the same connection; part went: it is
+                         * closed, and the request goes to Python for a new one */
+        broken = failed > 0;
+        goto spare;
+    }
     free(req);
     s->up = f->up;
     s->client = f->client;
@@ -1239,10 +1261,9 @@ static int front_request(Relay *r, Front *f) {
     s->front_request = 1;
     s->f_arrival_ns = f->first_ns;
     s->f_wall_ns = wall;
-    s->f_sent_ns = now_ns();
+    s->f_sent_ns = sending_ns;
     s->f_endpoint = endpoint;
-    s->last_read_ns = s->f_sent_ns;
-    s->polled_ns = s->f_sent_ns;
+    s->last_read_ns = s->polled_ns = now_ns();
     f->stream = s;
     f->len = 0;
     epoll_ctl(r->epfd, EPOLL_CTL_DEL, f->client, NULL);
@@ -1268,7 +1289,7 @@ spare:
 fail:
 python:
     free(req);
-    return -1;
+    return broken ? -2 : -1;
 }
 
 #undef PUT
@@ -1279,7 +1300,7 @@ python:
 static void front_upstream(Relay *r, Front *f) {
     if (f->up < 0 || f->stream != NULL) return;
     pthread_mutex_lock(&r->lock);
-    front_let_go(r, f, FRONT_PYTHON);
+    front_let_go(r, f, FRONT_BROKEN);
     pthread_mutex_unlock(&r->lock);
 }
 
@@ -1303,8 +1324,10 @@ static void front_ready(Relay *r, Front *f) {
     }
     if (f->len == 0) { f->first_ns = now_ns(); f->first_wall_ns = wall_ns(); }
     f->len += n;
-    if (front_request(r, f) < 0) {
-        pthread_mutex_lock(&r->lock); front_let_go(r, f, FRONT_PYTHON);
+    int taken = front_request(r, f);
+    if (taken < 0) {
+        pthread_mutex_lock(&r->lock);
+        front_let_go(r, f, taken == -2 ? FRONT_BROKEN : FRONT_PYTHON);
         pthread_mutex_unlock(&r->lock);
     }
 }
@@ -1397,13 +1420,19 @@ static void *run(void *arg) {
                     if (s->stop_asked || r->closing) hand_back(r, s, END_ASKED);
                     s = next;
                 }
-                if (!r->front_on) {  /* the front stopped: idle connections go back */
+                /* The front stopped, or idle connections expire: they go back (the server's
+                 * keep-alive timeout applies to them from there). */
+                if (!r->front_on || r->f_expire) {
                     Front *f = r->fronts;
                     while (f != NULL) {
                         Front *next = f->next;
-                        if (f->stream == NULL) front_let_go(r, f, FRONT_ASKED);
+                        if (f->stream == NULL && !r->front_on)
+                            front_let_go(r, f, f->len ? FRONT_PYTHON : FRONT_ASKED);
+                        else if (f->stream == NULL && f->len == 0 && f->idle_ns < r->f_expire)
+                            front_let_go(r, f, FRONT_EXPIRED);
                         f = next;
                     }
+                    r->f_expire = 0;
                 }
                 int closing = r->closing;
                 pthread_mutex_unlock(&r->lock);
@@ -1879,7 +1908,8 @@ static PyObject *Relay_closed(Relay *r, PyObject *Py_UNUSED(ignored)) {
         Front *next = f->next;
         if (f->owner != NULL) {  /* (else it went with its stream: `front_conn`) */
             PyObject *item = Py_BuildValue("(Niy#L)", f->owner, f->why, f->buf,
-                                           f->why == FRONT_PYTHON ? f->len : (Py_ssize_t)0,
+                                           f->why == FRONT_PYTHON || f->why == FRONT_BROKEN
+                                               ? f->len : (Py_ssize_t)0,
                                            (long long)(f->len ? f->first_ns : 0));
             if (item == NULL || list == NULL || PyList_Append(list, item) < 0) Py_CLEAR(list);
             Py_XDECREF(item);
@@ -1916,6 +1946,18 @@ static PyObject *Relay_front_stop(Relay *r, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Relay_front_expire(Relay *r, PyObject *args) {
+    /* front_expire(before): the idle connections waiting for a request since before `before`
+     * (perf_counter_ns) go back to Python. */
+    long long before;
+    if (!PyArg_ParseTuple(args, "L", &before)) return NULL;
+    pthread_mutex_lock(&r->lock);
+    r->f_expire = before > 0 ? before : 1;
+    pthread_mutex_unlock(&r->lock);
+    wake(r->wake_fd);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Relay_fileno(Relay *r, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromLong(r->notify_fd);
 }
@@ -1944,6 +1986,7 @@ static PyMethodDef Relay_methods[] = {
     {"closed", (PyCFunction)Relay_closed, METH_NOARGS, NULL},
     {"front_started", (PyCFunction)Relay_front_started, METH_NOARGS, NULL},
     {"front_stop", (PyCFunction)Relay_front_stop, METH_NOARGS, NULL},
+    {"front_expire", (PyCFunction)Relay_front_expire, METH_VARARGS, NULL},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},
     {NULL},
 };

@@ -307,12 +307,16 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
             task.cancel()
             self.timeout_keep_alive_task = None
 
-    def from_front(self, data: bytes, arrival_ns: int) -> None:
+    def from_front(self, data: bytes, arrival_ns: int, close: bool = False) -> None:
         """The connection is the event loop's again, with the bytes the thread read of the next
-        request (`arrival_ns`: when their first came)."""
+        request (`arrival_ns`: when their first came); closed if `close` (it was idle for the
+        keep-alive timeout)."""
         was, self.lending = self.lending, Lending.NO
         transport = self.transport
         if was is Lending.NO or transport.is_closing():
+            return
+        if close:
+            transport.close()
             return
         transport.resume_reading()
         if data:

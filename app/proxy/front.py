@@ -62,8 +62,6 @@ log = logging.getLogger(__name__)
 _FAULTS = LogThrottle()
 
 ENDPOINTS = ("completions", "chat.completions")
-# Why the thread let a front go (`_native.c`).
-FRONT_EOF, FRONT_PYTHON, FRONT_STREAM, FRONT_ASKED = 1, 2, 3, 4
 STOCK = 64  # stream objects the thread has at hand for the front's requests
 
 
@@ -76,14 +74,20 @@ class FrontConn:
         self.protocol = protocol
         self.conn = conn
 
-    def give_back(self, data: bytes = b"", arrival_ns: int = 0) -> None:
-        """Both connections back to the event loop: the upstream's to the pool (one the
-        upstream closed leaves it at its first read), the client's to uvicorn, with the bytes
-        the thread read of its next request."""
+    def give_back(self, data: bytes = b"", arrival_ns: int = 0, broken: bool = False,
+                  expired: bool = False) -> None:
+        """Both connections back to the event loop: the upstream's to the pool (closed if
+        `broken`: the upstream closed it, sent what nobody asked for, or took part of a
+        request), the client's to uvicorn, with the bytes the thread read of its next request
+        (`arrival_ns`: when the first came), or closed if `expired` (idle for the server's
+        keep-alive timeout, as uvicorn closes its own)."""
         conn, protocol = self.conn, self.protocol
-        conn.resume_reading()
-        conn.finish(reusable=True)
-        protocol.from_front(data, arrival_ns)
+        if broken:
+            conn.close()
+        else:
+            conn.resume_reading()
+            conn.finish(reusable=True)
+        protocol.from_front(data, arrival_ns, close=expired)
 
 
 class Front:
@@ -93,6 +97,7 @@ class Front:
         self._ctx = ctx
         self._configured = False
         self._stock = 0
+        self._keep_alive_ns = 0
         self.requests = FrontRequests(ctx, self)
 
     def keep(self, leg: ClientLeg, conn: UpstreamConnection) -> FrontConn | None:
@@ -112,6 +117,7 @@ class Front:
                             for name, value in cycle.default_headers if name != b"date")
             native.front_config(date, rest, pool.prefix, pool.host_header, ADMIN_TOKEN_HEADER,
                                 settings.max_body_bytes)
+            self._keep_alive_ns = int(protocol.timeout_keep_alive * NS)
             self.restock()
         protocol.lend()
         return FrontConn(protocol, conn)
@@ -140,6 +146,13 @@ class Front:
 
     def used(self) -> None:
         self._stock -= 1
+
+    def expire(self, now_ns: int) -> None:
+        """On each pass of the live registry: connections the thread has held idle for the
+        server's keep-alive timeout go back to it, which closes them as it closes its own."""
+        native = self._ctx.native
+        if native is not None and self._configured:
+            native.front_expire(now_ns - self._keep_alive_ns)
 
     def catch_up(self) -> None:
         """Look at the front's streams started since the last look."""
@@ -360,9 +373,11 @@ class FrontStream:
 
 def front(ctx: ProxyContext, enabled: bool) -> Front | None:
     """The front, where it can run: on, the native relay built, running usage asked of the
-    upstream (its plan adds it), OpenTelemetry off (its trace headers are the Python path's)."""
-    if not enabled or ctx.native is None or not ctx.settings.upstream_continuous_usage \
-            or ctx.otel is not None:
+    upstream (its plan adds it), OpenTelemetry off (its trace headers are the Python path's),
+    and no access log (uvicorn writes its lines)."""
+    settings = ctx.settings
+    if (not enabled or ctx.native is None or not settings.upstream_continuous_usage
+            or ctx.otel is not None or settings.access_log):
         return None
     made = Front(ctx)
     ctx.native.after_batch = made.restock

@@ -311,6 +311,9 @@ class LiveStreams:
             await asyncio.sleep(self.period_s)
             try:
                 refreshed = await self.refresh()
-                self.check(perf_counter_ns(), refreshed)
+                now_ns = perf_counter_ns()
+                self.check(now_ns, refreshed)
+                if self.front is not None:
+                    self.front.expire(now_ns)
             except Exception:
                 self._pass_faults.exception(log, "a pass over the open streams failed")

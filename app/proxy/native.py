@@ -67,6 +67,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from phasewatch.core.log_throttle import LogThrottle
 
+# Why the native front let a connection go (`_native.c`): its upstream connection is of no
+# more use (closed by the upstream, or part of a request went on it); the client's connection
+# was idle for the server's keep-alive timeout.
+FRONT_BROKEN, FRONT_EXPIRED = 5, 6
+
 if TYPE_CHECKING:
     from phasewatch.proxy.timing import StreamTiming
 
@@ -161,6 +166,11 @@ class NativeRelay:
     def front_stop(self) -> None:
         self._relay.front_stop()
 
+    def front_expire(self, before_ns: int) -> None:
+        """The front's idle connections waiting for a request since before `before_ns` go
+        back (`closed()`, at the thread's next turn)."""
+        self._relay.front_expire(before_ns)
+
     @property
     def front_unseen(self) -> int:
         unseen: int = self._relay.front_unseen
@@ -221,9 +231,10 @@ class NativeRelay:
                 self._hand_back_faults.exception(
                     log, "could not take a stream back from the native relay")
         if self._front:
-            for owner, _why, data, arrival_ns in self._relay.closed():
+            for owner, why, data, arrival_ns in self._relay.closed():
                 try:
-                    owner.give_back(data, arrival_ns)
+                    owner.give_back(data, arrival_ns, why == FRONT_BROKEN,
+                                    why == FRONT_EXPIRED)
                 except Exception:
                     self._hand_back_faults.exception(
                         log, "could not take a connection back from the native front")

@@ -334,3 +334,16 @@ def test_the_idle_timeout_ends_a_silent_front_request_as_it_ends_any(
     _same(answers[front], answers[python])
     assert b"idle" in answers[front] and answers[front].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert _front(front) == 1
+
+
+def test_a_connection_the_front_holds_idle_is_closed_at_the_keep_alive_timeout(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    """As uvicorn closes its own idle connections (its `timeout_keep_alive`, 5 s here)."""
+    raw_upstream.script = STREAM
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    conn = _Connection(proxy)
+    conn.ask(_request(ASK))
+    started = time.monotonic()
+    assert conn.closed()
+    assert 4 < time.monotonic() - started < 9
+    conn.close()
