@@ -46,6 +46,18 @@
  * so still hears a disconnect). A client that stops reading stops the upstream's reads here,
  * as in the Python path, and `blocked_since` says since when.
  *
+ * The front (front.py): a stream started at its head with `keep` (the event loop paused its
+ * reads of that client; the thread hears the client's hang-up itself) keeps both connections
+ * at a clean end, the client's buffer drained. The thread then reads the client's next request
+ * (`front_ready`). A plain one (`front_request`: a streamed completion or chat request with a
+ * `Content-Length` body of ASCII JSON that `plan_request` would plan by appending
+ * `stream_options`) it sends upstream on the kept connection, with the headers the Python path
+ * forwards, and relays on a stream object Python stocked (`stock`) as one started at its head;
+ * Python looks at it later (`front_started`) or at its end. Anything else, the upstream's close
+ * while idle, the keep-alive timeout (`front_expire`) or shutdown (`front_stop`) lets the front
+ * go (`closed()`), with the bytes read of a request not taken; a front's stream that comes back
+ * early takes the front's connection object with it (`front_conn`) for Python to take over.
+ *
  * Python talks to the thread through one mutex and two eventfds: `wake` (Python -> thread: a
  * stream to stop) and `notify` (thread -> Python, read by the event loop: streams handed back;
  * at once, but for the quiet endings above).
@@ -96,7 +108,7 @@ typedef struct {
     int closing;
     int64_t quiet_since; /* (thread) the oldest stream published without a wake (0: none) */
     int64_t quiet_ns;    /* how long such a stream waits at most (`QUIET_NS` unless told) */
-    /* The front (prototype): client connections the thread keeps between requests. */
+    /* The front: client connections the thread keeps between requests. */
     Front *fronts;       /* kept: idle or answering a request (under lock) */
     Front *closed;       /* let go, waiting for Python (`closed()`, under lock) */
     Stream *spares;      /* Python's streams for the front's requests (under lock) */
@@ -148,7 +160,7 @@ struct Stream {
     Py_ssize_t head_pre_len, head_rid_len, head_post_len;
     char *head_raw; Py_ssize_t head_raw_len;  /* the upstream's head once taken (under lock) */
     int64_t head_ns;          /* the time of the read that completed it */
-    /* The front (prototype). */
+    /* The front. */
     PyObject *keep;           /* Python's connection object: keep the connection at a clean end */
     Front *kept;              /* the front kept at that end (dormant until `lend()`) */
     Front *front;             /* the front whose request this stream answers */
@@ -598,6 +610,22 @@ static int hop_by_hop(const char *n, Py_ssize_t len) {
     return 0;
 }
 
+/* One header line of a head, from `line` to the CRLF at `end`: a token, a colon (`*colon`),
+ * the value from its first non-blank (`*value`, as httptools reads it). -1: not one read
+ * plainly. */
+static int header_at(const char *line, const char *end, const char **colon,
+                     const char **value) {
+    const char *c = memchr(line, ':', (size_t)(end - line));
+    if (c == NULL || c == line) return -1;
+    for (const char *q = line; q < c; q++)
+        if (!tchar((unsigned char)*q)) return -1;
+    const char *v = c + 1;
+    while (v < end && (*v == ' ' || *v == '\t')) v++;
+    *colon = c;
+    *value = v;
+    return 0;
+}
+
 static void out_put(Stream *s, const char *d, Py_ssize_t n) {
     memcpy(s->out + s->out_len, d, (size_t)n);
     s->out_len += n;
@@ -633,13 +661,8 @@ static int head_take(Stream *s, int64_t now) {
     int chunked = 0, event_stream = 0, seen_type = 0, has_rid = 0;
     const char *line = eol + 2, *last = stop + 2;
     while (line < last) {
-        const char *end = find(line, last - line, LIT("\r\n"));
-        const char *colon = memchr(line, ':', (size_t)(end - line));
-        if (colon == NULL || colon == line) goto python;
-        for (const char *q = line; q < colon; q++)
-            if (!tchar((unsigned char)*q)) goto python;
-        const char *value = colon + 1;
-        while (value < end && (*value == ' ' || *value == '\t')) value++;
+        const char *end = find(line, last - line, LIT("\r\n")), *colon, *value;
+        if (header_at(line, end, &colon, &value) < 0) goto python;
         for (const char *q = value; q < end; q++) {
             unsigned char c = (unsigned char)*q;
             if ((c < 0x20 && c != '\t') || c == 0x7f) goto python;
@@ -828,7 +851,7 @@ static int take_chunks(Stream *s, int64_t now) {
     return back;
 }
 
-/* -- the front (prototype): the next request on a kept client connection ------------------- */
+/* -- the front: the next request on a kept client connection --------------------------- */
 
 /* Let a front go (thread or Python, lock held): out of epoll and `fronts`, its descriptors
  * closed (unless a stream closed them), onto `closed` for Python with why; the event loop is
@@ -1135,13 +1158,8 @@ static int front_request(Relay *r, Front *f) {
     PUTS("\r\n");
     const char *line = eol + 2, *last = stop + 2;
     while (line < last) {
-        const char *end = find(line, last - line, LIT("\r\n"));
-        const char *colon = memchr(line, ':', (size_t)(end - line));
-        if (colon == NULL || colon == line) goto python;
-        for (const char *q = line; q < colon; q++)
-            if (!tchar((unsigned char)*q)) goto python;
-        const char *value = colon + 1;
-        while (value < end && (*value == ' ' || *value == '\t')) value++;
+        const char *end = find(line, last - line, LIT("\r\n")), *colon, *value;
+        if (header_at(line, end, &colon, &value) < 0) goto python;
         Py_ssize_t value_len = end - value;
         while (value_len > 0 && (value[value_len - 1] == ' ' || value[value_len - 1] == '\t'))
             value_len--;
@@ -1181,7 +1199,7 @@ static int front_request(Relay *r, Front *f) {
     }
     if (body_len < 0 || body_len > r->f_max_body || head_len + body_len > FRONT_CAP) goto python;
     if (len < head_len + body_len) { free(req); return 0; }
-    if (len > head_len + body_len) goto python;  /* pipelined: Python's (prototype) */
+    if (len > head_len + body_len) goto python;  /* pipelined behind it: Python's */
     const char *body = d + head_len, *model;
     Py_ssize_t model_len;
     if (!body_plain(body, body_len, &model, &model_len)) goto python;
@@ -1552,7 +1570,7 @@ static PyObject *Stream_head(Stream *s, void *Py_UNUSED(c)) {
 }
 
 static PyObject *Stream_kept(Stream *s, void *Py_UNUSED(c)) {
-    /* (prototype) A front was kept at this stream's clean end: `lend()` or `release()` it. */
+    /* A front was kept at this stream's clean end (its connections are the thread's). */
     Relay *r = s->relay;
     pthread_mutex_lock(&r->lock);
     int kept = s->kept != NULL;
@@ -1561,8 +1579,8 @@ static PyObject *Stream_kept(Stream *s, void *Py_UNUSED(c)) {
 }
 
 static PyObject *Stream_front(Stream *s, void *Py_UNUSED(c)) {
-    /* (prototype) A front's request: (request id, arrival, wall clock at arrival, sent,
-     * model JSON or None, endpoint 0/1); None for a stream Python started. */
+    /* A front's request: (request id, arrival, wall clock at arrival, sending, model JSON or
+     * None, endpoint 0/1, requests in flight at arrival); None for a stream Python started. */
     if (!s->front_request) Py_RETURN_NONE;
     PyObject *model = s->f_model != NULL
         ? PyBytes_FromStringAndSize(s->f_model, s->f_model_len) : Py_NewRef(Py_None);
@@ -1843,8 +1861,8 @@ static char *dup_bytes(const char *d, Py_ssize_t n) {
 }
 
 static PyObject *Relay_front_config(Relay *r, PyObject *args) {
-    /* (prototype) front_config(server headers after date, upstream base path, upstream host
-     * header, admin token header, max body): the front takes plain requests from here on. */
+    /* front_config(date, server headers after date, upstream base path, upstream host header,
+     * admin token header, max body): the front takes plain requests from here on. */
     const char *rest, *prefix, *host, *admin;
     Py_ssize_t rest_len, prefix_len, host_len, admin_len, max_body;
     int date_on;
@@ -1870,8 +1888,8 @@ static PyObject *Relay_front_config(Relay *r, PyObject *args) {
 }
 
 static PyObject *Relay_stock(Relay *r, PyObject *args) {
-    /* (prototype) stock(owner, n): n more streams for the front's requests, owned by `owner`;
-     * returns how many are in stock. */
+    /* stock(owner, n): n more streams for the front's requests, owned by `owner`; returns how
+     * many are in stock. */
     PyObject *owner;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "On", &owner, &n)) return NULL;
@@ -1897,8 +1915,8 @@ static PyObject *Relay_stock(Relay *r, PyObject *args) {
 }
 
 static PyObject *Relay_closed(Relay *r, PyObject *Py_UNUSED(ignored)) {
-    /* (prototype) The fronts let go since the last call: (owner, why, bytes the thread read
-     * of a request it did not take). */
+    /* The fronts let go since the last call: (owner, why, bytes the thread read of a request
+     * it did not take, when the first came). */
     pthread_mutex_lock(&r->lock);
     Front *f = r->closed;
     r->closed = NULL;

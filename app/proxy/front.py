@@ -48,13 +48,13 @@ from phasewatch.core.metrics import request_exemplar
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.proxy.finish import finish
 from phasewatch.proxy.labels import model_name
+from phasewatch.proxy.live import LiveView, in_flight_view
 from phasewatch.proxy.native import Ending, replay
 from phasewatch.proxy.timing import NS, StreamTiming
 
 if TYPE_CHECKING:
     from phasewatch.proxy.client_leg import ClientLeg, PhasewatchHttpProtocol
     from phasewatch.proxy.context import ProxyContext
-    from phasewatch.proxy.live import LiveView
     from phasewatch.proxy.native import Stream
     from phasewatch.proxy.upstream_pool import UpstreamConnection
 
@@ -311,22 +311,13 @@ class FrontStream:
             self._stream.stop()
 
     def live_view(self) -> LiveView | None:
-        from phasewatch.proxy.live import LiveView
         if self.where is not Where.WATCHED:
             return None
         return LiveView(self.label, self.timing.arrival_ns, self.timing.first_output_ns)
 
     def in_flight(self, now_ns: int, wall_now: float) -> InFlight:
-        timing = self.timing
-        ttft = None if timing.first_output_ns is None else (
-            (timing.first_output_ns - timing.arrival_ns) / NS)
-        age = (now_ns - timing.arrival_ns) / NS
-        count, _, p50, _, largest = timing.gaps.summary()
-        return InFlight(
-            model=self.label, started_s=wall_now - age, age_s=age, ttft_s=ttft,
-            silent_s=(now_ns - self.last_read_ns) / NS, itl_count=count, itl_p50_s=p50,
-            itl_max_s=largest, prompt_tokens=timing.prompt_tokens,
-            in_flight=self.record.in_flight_at_arrival or 0)
+        return in_flight_view(self.label, self.timing, self.last_read_ns,
+                              self.record.in_flight_at_arrival or 0, now_ns, wall_now)
 
     # -- the stream's end -------------------------------------------------------------------
 
@@ -374,10 +365,12 @@ class FrontStream:
 def front(ctx: ProxyContext, enabled: bool) -> Front | None:
     """The front, where it can run: on, the native relay built, running usage asked of the
     upstream (its plan adds it), OpenTelemetry off (its trace headers are the Python path's),
-    and no access log (uvicorn writes its lines)."""
+    no access log (uvicorn writes its lines), and no cap on upstream connections (an idle
+    connection the front keeps would hold one of the capped slots)."""
     settings = ctx.settings
     if (not enabled or ctx.native is None or not settings.upstream_continuous_usage
-            or ctx.otel is not None or settings.access_log):
+            or ctx.otel is not None or settings.access_log
+            or settings.upstream_max_connections > 0):
         return None
     made = Front(ctx)
     ctx.native.after_batch = made.restock

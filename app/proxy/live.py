@@ -55,12 +55,26 @@ from phasewatch.core.log_throttle import LogThrottle
 if TYPE_CHECKING:
     from phasewatch.proxy.front import Front
     from phasewatch.proxy.native import NativeRelay
+    from phasewatch.proxy.timing import StreamTiming
 
 log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
 SLICE = 64  # streams refreshed or snapshotted between two yields to the event loop (~1 ms)
 REPLAY_S = 5.0  # a pass replays a native stream's log this long after its last replay
+
+
+def in_flight_view(label: str, timing: StreamTiming, last_read_ns: int, at_arrival: int,
+                   now_ns: int, wall_now: float) -> InFlight:
+    """An open stream as the snapshot gives it (`Watched.in_flight`)."""
+    ttft = None if timing.first_output_ns is None else (
+        (timing.first_output_ns - timing.arrival_ns) / NS)
+    age = (now_ns - timing.arrival_ns) / NS
+    count, _, p50, _, largest = timing.gaps.summary()
+    return InFlight(
+        model=label, started_s=wall_now - age, age_s=age, ttft_s=ttft,
+        silent_s=(now_ns - last_read_ns) / NS, itl_count=count, itl_p50_s=p50,
+        itl_max_s=largest, prompt_tokens=timing.prompt_tokens, in_flight=at_arrival)
 
 
 class Watched(Protocol):

@@ -60,7 +60,7 @@ from phasewatch.proxy.client_leg import ClientLeg, client_leg
 from phasewatch.proxy.context import ProxyContext
 from phasewatch.proxy.finish import finish
 from phasewatch.proxy.front import Adoption, Front
-from phasewatch.proxy.live import LiveView
+from phasewatch.proxy.live import LiveView, in_flight_view
 from phasewatch.proxy.native import Ending, Stream, replay
 from phasewatch.proxy.request_plan import RequestPlan, plan_request
 from phasewatch.proxy.shutdown import Stage
@@ -283,16 +283,8 @@ class Exchange:
         return LiveView(self.label, self._timing.arrival_ns, self._timing.first_output_ns)
 
     def in_flight(self, now_ns: int, wall_now: float) -> InFlight:
-        timing, record = self._timing, self._record
-        ttft = None if timing.first_output_ns is None else (
-            (timing.first_output_ns - timing.arrival_ns) / NS)
-        age = (now_ns - timing.arrival_ns) / NS
-        count, _, p50, _, largest = timing.gaps.summary()
-        return InFlight(
-            model=self.label, started_s=wall_now - age, age_s=age, ttft_s=ttft,
-            silent_s=(now_ns - self.last_read_ns) / NS, itl_count=count, itl_p50_s=p50,
-            itl_max_s=largest, prompt_tokens=timing.prompt_tokens,
-            in_flight=record.in_flight_at_arrival or 0)
+        return in_flight_view(self.label, self._timing, self.last_read_ns,
+                              self._record.in_flight_at_arrival or 0, now_ns, wall_now)
 
     def refresh(self, now_ns: int, every_ns: int) -> None:
         """Called by the live registry: the idle and stall clocks of a stream the native leg

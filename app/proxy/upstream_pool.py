@@ -77,6 +77,11 @@ class UpstreamConnection(asyncio.Protocol):
     def send(self, handler: UpstreamHandler, request: bytes) -> None:
         """Write one request; its response is reported to `handler`."""
         assert self.transport is not None and self.state is not ConnState.CLOSED
+        self._expect(handler)
+        self.transport.write(request)
+
+    def _expect(self, handler: UpstreamHandler) -> None:
+        """A request went out: its response, from its first byte, is `handler`'s."""
         self._handler = handler
         self._headers = []
         self._last_read, self._last_piece = b"", None
@@ -84,7 +89,6 @@ class UpstreamConnection(asyncio.Protocol):
         self._body_until_close = False
         self.keep_alive = False
         self.state = ConnState.BUSY
-        self.transport.write(request)
 
     def finish(self, reusable: bool) -> None:
         """The exchange is done with this connection: back to the pool, or closed."""
@@ -102,13 +106,7 @@ class UpstreamConnection(asyncio.Protocol):
     def adopt(self, handler: UpstreamHandler) -> None:
         """The native front sent a request on this connection: its response is `handler`'s,
         from the bytes the front hands over (`take`)."""
-        self._handler = handler
-        self._headers = []
-        self._last_read, self._last_piece = b"", None
-        self._responded = False
-        self._body_until_close = False
-        self.keep_alive = False
-        self.state = ConnState.BUSY
+        self._expect(handler)
         self.reused = True
 
     def close(self) -> None:

@@ -101,6 +101,14 @@ class _Connection:
         self.sock.close()
 
 
+def _kept(proxy: Proxy, upstream: RawUpstream) -> _Connection:
+    """A connection whose first request (a whole stream) ended: the front holds it next."""
+    upstream.script = STREAM
+    conn = _Connection(proxy)
+    conn.ask(_request(ASK))
+    return conn
+
+
 @pytest.fixture
 def two_proxies(make_proxy: Callable[..., Proxy],
                 raw_upstream: RawUpstream) -> tuple[Proxy, Proxy]:  # noqa: F811
@@ -155,10 +163,8 @@ def test_a_kept_connection_s_next_requests_go_through_the_front_with_the_same_by
 
 def test_a_client_s_own_request_id_is_the_record_s_and_goes_upstream(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
-    raw_upstream.script = STREAM
     proxy = make_proxy(raw_upstream.url, native_front=True)
-    conn = _Connection(proxy)
-    conn.ask(_request(ASK))
+    conn = _kept(proxy, raw_upstream)
     raw = conn.ask(_request(ASK, b"x-request-id: client-chosen-1\r\n"))
     conn.close()
     assert b"x-request-id: client-chosen-1\r\n" in raw
@@ -259,10 +265,8 @@ def test_an_error_event_mid_stream_is_taken_over_where_the_front_left_it(
 
 def test_a_client_that_leaves_a_front_request_cancels_it_and_its_upstream_request(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
-    raw_upstream.script = STREAM
     proxy = make_proxy(raw_upstream.url, native_front=True)
-    conn = _Connection(proxy)
-    conn.ask(_request(ASK))
+    conn = _kept(proxy, raw_upstream)
     assert proxy.next_record().outcome == "ok"
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), 30.0,
                            *_tokens(6, 10), *_ending(10)]
@@ -295,10 +299,8 @@ def test_an_upstream_that_closes_an_idle_kept_connection_leaves_the_next_request
 
 def test_a_front_request_in_flight_is_counted_and_timed_at_a_scrape(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
-    raw_upstream.script = STREAM
     proxy = make_proxy(raw_upstream.url, native_front=True)
-    conn = _Connection(proxy)
-    conn.ask(_request(ASK))
+    conn = _kept(proxy, raw_upstream)
     proxy.next_record()
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), 2.0,
                            *_tokens(6, 10), *_ending(10)]
@@ -339,10 +341,8 @@ def test_the_idle_timeout_ends_a_silent_front_request_as_it_ends_any(
 def test_a_connection_the_front_holds_idle_is_closed_at_the_keep_alive_timeout(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
     """As uvicorn closes its own idle connections (its `timeout_keep_alive`, 5 s here)."""
-    raw_upstream.script = STREAM
     proxy = make_proxy(raw_upstream.url, native_front=True)
-    conn = _Connection(proxy)
-    conn.ask(_request(ASK))
+    conn = _kept(proxy, raw_upstream)
     started = time.monotonic()
     assert conn.closed()
     assert 4 < time.monotonic() - started < 9
