@@ -1209,6 +1209,7 @@ static int front_request(Relay *r, Front *f) {
     pthread_mutex_unlock(&r->lock);
     if (s == NULL) goto python;
     s->next = NULL;
+    if (s->in == NULL && (s->in = malloc(IN_CAP)) == NULL) goto spare;
     if (rid == NULL) {
         uint64_t a = splitmix(&r->f_rng), b = splitmix(&r->f_rng);
         snprintf(s->f_rid, sizeof s->f_rid, "%016llx%016llx", (unsigned long long)a,
@@ -1888,29 +1889,28 @@ static PyObject *Relay_front_config(Relay *r, PyObject *args) {
 }
 
 static PyObject *Relay_stock(Relay *r, PyObject *args) {
-    /* stock(owner, n): n more streams for the front's requests, owned by `owner`; returns how
-     * many are in stock. */
+    /* stock(owner, target): streams for the front's requests, owned by `owner`, made up to
+     * `target` at the thread's hand (their read buffers are the thread's to allocate, as it
+     * takes one); returns how many it has. */
     PyObject *owner;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "On", &owner, &n)) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t target, have = 0;
+    if (!PyArg_ParseTuple(args, "On", &owner, &target)) return NULL;
+    pthread_mutex_lock(&r->lock);
+    for (Stream *s = r->spares; s != NULL; s = s->next) have++;
+    pthread_mutex_unlock(&r->lock);
+    for (Py_ssize_t i = have; i < target; i++) {
         Stream *s = PyObject_New(Stream, &StreamType);
         if (s == NULL) return NULL;
         memset((char *)s + sizeof(PyObject), 0, sizeof(Stream) - sizeof(PyObject));
         s->up = s->client = -1;
         s->owner = Py_NewRef(owner);
         s->relay = (Relay *)Py_NewRef((PyObject *)r);
-        s->in = malloc(IN_CAP);
-        if (s->in == NULL) { Py_DECREF(s); return PyErr_NoMemory(); }
         pthread_mutex_lock(&r->lock);  /* its reference is the thread's from here */
         s->next = r->spares;
         r->spares = s;
         pthread_mutex_unlock(&r->lock);
+        have++;
     }
-    Py_ssize_t have = 0;
-    pthread_mutex_lock(&r->lock);
-    for (Stream *s = r->spares; s != NULL; s = s->next) have++;
-    pthread_mutex_unlock(&r->lock);
     return PyLong_FromSsize_t(have);
 }
 

@@ -62,7 +62,10 @@ log = logging.getLogger(__name__)
 _FAULTS = LogThrottle()
 
 ENDPOINTS = ("completions", "chat.completions")
-STOCK = 64  # stream objects the thread has at hand for the front's requests
+# Stream objects the thread has at hand for the front's requests, made up on every batch it
+# hands back and every pass (each a few hundred bytes until the thread takes it). A request
+# that finds none goes to Python.
+STOCK = 256
 
 
 class FrontConn:
@@ -96,7 +99,6 @@ class Front:
     def __init__(self, ctx: ProxyContext) -> None:
         self._ctx = ctx
         self._configured = False
-        self._stock = 0
         self._keep_alive_ns = 0
         self.requests = FrontRequests(ctx, self)
 
@@ -139,13 +141,10 @@ class Front:
             keep.protocol.lent_idle()
 
     def restock(self) -> None:
-        """Keep `STOCK` stream objects at the thread's hand (after each batch it hands back)."""
+        """`STOCK` stream objects at the thread's hand again."""
         native = self._ctx.native
-        if native is not None and self._configured and self._stock < STOCK:
-            self._stock = native.stock(self.requests, STOCK - self._stock)
-
-    def used(self) -> None:
-        self._stock -= 1
+        if native is not None and self._configured:
+            native.stock(self.requests, STOCK)
 
     def expire(self, now_ns: int) -> None:
         """On each pass of the live registry: connections the thread has held idle for the
@@ -159,6 +158,7 @@ class Front:
         native = self._ctx.native
         if native is None or not self._configured:
             return
+        self.restock()
         for stream in native.front_started():
             try:
                 FrontStream(self._ctx, stream).watch()
@@ -323,9 +323,6 @@ class FrontStream:
 
     def native_returned(self, stream: Stream) -> None:
         ctx = self._ctx
-        front = ctx.front
-        if front is not None:
-            front.used()
         if self.where is Where.HELD:  # ended before Python looked: relayed natively all the same
             ctx.metrics.native_streams.inc()
         self._unwatch()

@@ -152,10 +152,10 @@ class NativeRelay:
         self._relay.front_config(date, rest, prefix, host, admin, max_body)
         self._front = True
 
-    def stock(self, owner: Any, n: int) -> int:
-        """`n` more stream objects for the front's requests, owned by `owner` until Python
-        looks at them; how many the thread has at hand."""
-        have: int = self._relay.stock(owner, n)
+    def stock(self, owner: Any, target: int) -> int:
+        """Stream objects for the front's requests (owned by `owner` until Python looks at
+        them) made up to `target` at the thread's hand; how many it has."""
+        have: int = self._relay.stock(owner, target)
         return have
 
     def front_started(self) -> list[Stream]:

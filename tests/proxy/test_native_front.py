@@ -101,9 +101,10 @@ class _Connection:
         self.sock.close()
 
 
-def _kept(proxy: Proxy, upstream: RawUpstream) -> _Connection:
+def _kept(proxy: Proxy, upstream: RawUpstream,
+          script: list[bytes | float | None] = STREAM) -> _Connection:
     """A connection whose first request (a whole stream) ended: the front holds it next."""
-    upstream.script = STREAM
+    upstream.script = script
     conn = _Connection(proxy)
     conn.ask(_request(ASK))
     return conn
@@ -347,3 +348,27 @@ def test_a_connection_the_front_holds_idle_is_closed_at_the_keep_alive_timeout(
     assert conn.closed()
     assert 4 < time.monotonic() - started < 9
     conn.close()
+
+
+def test_the_front_carries_more_streams_at_once_than_it_restocks_between_batches(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
+    """Its stream objects are made up to the stock on every batch and pass, however many of
+    its requests are open: 80 kept connections' next requests, all open at once, all the
+    front's."""
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    short = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 2), *_ending(2)]
+    conns = [_kept(proxy, raw_upstream, short) for _ in range(80)]  # well within keep-alive
+    for _ in conns:
+        proxy.next_record()
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3), 1.0,
+                           *_tokens(4, 6), *_ending(6)]
+    for conn in conns:
+        conn.sock.sendall(_request(ASK))
+    for conn in conns:
+        conn.started()
+    metrics = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=10).text)
+    assert metrics[("phasewatch_requests_in_flight", ())] == 80  # all open, all the front's
+    assert metrics[("phasewatch_native_front_requests_total", ())] == 80
+    for conn in conns:
+        assert conn.response().endswith(b"0\r\n\r\n")
+        conn.close()
