@@ -1010,12 +1010,46 @@ static const char *json_value(const char *p, const char *e, int depth) {
     }
 }
 
-/* The plan `plan_request` makes, for the plain case alone: a JSON object with `"stream":
- * true`, no `stream_options`, `n` absent, null or 1, no escaped key. 1 and the `model`
- * value's span; 0 anything else (Python's). */
+/* The client's own `stream_options` (an object): 1 when it asks for usage on every chunk
+ * (`include_usage` and `continuous_usage_stats` both `true`, the last of each name as
+ * orjson keeps it), which `plan_request` forwards as it is; 0 anything else. */
+static int options_continuous(const char *p, const char *e) {
+    int usage = 0, continuous = 0;
+    if (p >= e || *p != '{') return 0;
+    p = json_ws(p + 1, e);
+    if (p < e && *p == '}') return 0;
+    for (;;) {
+        int escaped = 0;
+        const char *key = p;
+        p = json_string(p, e, &escaped);
+        if (p == NULL || escaped) return 0;
+        Py_ssize_t key_len = p - key - 2;
+        key++;
+        p = json_ws(p, e);
+        if (p >= e || *p != ':') return 0;
+        const char *value = json_ws(p + 1, e);
+        p = json_value(value, e, 2);
+        if (p == NULL) return 0;
+        int yes = p - value == 4 && memcmp(value, "true", 4) == 0;
+        if (key_len == 13 && memcmp(key, "include_usage", 13) == 0) usage = yes;
+        else if (key_len == 22 && memcmp(key, "continuous_usage_stats", 22) == 0)
+            continuous = yes;
+        p = json_ws(p, e);
+        if (p < e && *p == ',') { p = json_ws(p + 1, e); continue; }
+        if (p < e && *p == '}') break;
+        return 0;
+    }
+    return usage && continuous;
+}
+
+/* The plan `plan_request` makes, for the plain cases alone: a JSON object with `"stream":
+ * true`, `n` absent, null or 1, no escaped key, and either no `stream_options` (1: the member
+ * is appended, usage cut from the client's stream) or the client's own asking for usage on
+ * every chunk (2: the body goes as it is, and so does the stream); the `model` value's span.
+ * 0 anything else (Python's). */
 static int body_plain(const char *b, Py_ssize_t n, const char **model, Py_ssize_t *model_len) {
     const char *p = json_ws(b, b + n), *e = b + n;
-    int stream = 0, single = 1;
+    int stream = 0, single = 1, options = 0;
     *model = NULL;
     *model_len = 0;
     if (p >= e || *p != '{') return 0;
@@ -1037,7 +1071,7 @@ static int body_plain(const char *b, Py_ssize_t n, const char **model, Py_ssize_
         if (key_len == 6 && memcmp(key, "stream", 6) == 0)
             stream = value_len == 4 && memcmp(value, "true", 4) == 0;
         else if (key_len == 14 && memcmp(key, "stream_options", 14) == 0)
-            return 0;
+            options = options_continuous(value, p) ? 2 : -1;
         else if (key_len == 1 && key[0] == 'n')
             single = (value_len == 4 && memcmp(value, "null", 4) == 0)
                      || (value_len == 1 && value[0] == '1');
@@ -1050,7 +1084,8 @@ static int body_plain(const char *b, Py_ssize_t n, const char **model, Py_ssize_
         if (p < e && *p == '}') { p++; break; }
         return 0;
     }
-    return json_ws(p, e) == e && stream && single;
+    if (json_ws(p, e) != e || !stream || !single || options < 0) return 0;
+    return options == 2 ? 2 : 1;
 }
 
 static uint64_t splitmix(uint64_t *x) {
@@ -1202,7 +1237,8 @@ static int front_request(Relay *r, Front *f) {
     if (len > head_len + body_len) goto python;  /* pipelined behind it: Python's */
     const char *body = d + head_len, *model;
     Py_ssize_t model_len;
-    if (!body_plain(body, body_len, &model, &model_len)) goto python;
+    int plan = body_plain(body, body_len, &model, &model_len);
+    if (plan == 0) goto python;
     pthread_mutex_lock(&r->lock);
     s = r->spares;
     if (s != NULL) r->spares = s->next;
@@ -1226,13 +1262,18 @@ static int front_request(Relay *r, Front *f) {
         ",\"stream_options\":{\"include_usage\":true,\"continuous_usage_stats\":true}";
     Py_ssize_t new_len = body_len + (Py_ssize_t)sizeof(member) - 1;
     char cl[64];
+    if (plan == 2) new_len = body_len;  /* the client's own options: the body as it came */
     PUTS("x-request-id: ");
     PUT(rid, rid_len);
     snprintf(cl, sizeof cl, "\r\ncontent-length: %lld\r\n\r\n", (long long)new_len);
     PUTS(cl);
-    PUT(body, text - 1);
-    PUT(member, (Py_ssize_t)sizeof(member) - 1);
-    PUT(body + text - 1, body_len - text + 1);
+    if (plan == 2) {
+        PUT(body, body_len);
+    } else {
+        PUT(body, text - 1);
+        PUT(member, (Py_ssize_t)sizeof(member) - 1);
+        PUT(body + text - 1, body_len - text + 1);
+    }
     /* The stream, as `start(..., head=...)` makes one. */
     int64_t wall = f->first_wall_ns;
     char pre[128];
@@ -1270,8 +1311,7 @@ static int front_request(Relay *r, Front *f) {
     free(req);
     s->up = f->up;
     s->client = f->client;
-    s->strip = 1;
-    s->hold = 1;
+    s->strip = s->hold = plan == 1;  /* usage the client did not ask for is cut */
     s->last_completion = -1;
     s->head_state = HEAD_WAIT;
     s->pending = 1;

@@ -131,7 +131,8 @@ def _same(front: bytes, python: bytes) -> None:
 @pytest.mark.parametrize("body", [
     ASK, {**ASK, "n": 1, "max_tokens": 30},
     {**ASK, "messages": [{"role": "user", "content": "x" * 20000}]},  # past its first buffer
-], ids=["plain", "n-1", "long-prompt"])
+    ASK_USAGE,  # the client's own options, asking for usage on every chunk: kept in its stream
+], ids=["plain", "n-1", "long-prompt", "usage-asked"])
 def test_a_kept_connection_s_next_requests_go_through_the_front_with_the_same_bytes(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,  # noqa: F811
         body: dict[str, Any]) -> None:
@@ -144,7 +145,8 @@ def test_a_kept_connection_s_next_requests_go_through_the_front_with_the_same_by
         conn.close()
     for mine, theirs in zip(answers[front], answers[python], strict=True):
         _same(mine, theirs)
-        assert mine.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and b'"usage"' not in mine
+        assert mine.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert (b'"usage"' in mine) == (body is ASK_USAGE)
     ids = {re.search(rb"x-request-id: (\w+)", raw)[1].decode() for raw in answers[front]}
     records = [front.next_record() for _ in range(4)]
     assert _front(front) == 3 and _front(python) == 0  # the first request kept the connection
@@ -177,12 +179,15 @@ def test_a_client_s_own_request_id_is_the_record_s_and_goes_upstream(
 def test_requests_the_front_leaves_to_python_are_answered_on_the_same_connection(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
     """Each request the front does not take goes to uvicorn with every byte: the client's own
-    `stream_options`, a run id, a completions request, an escaped key, `connection: close`."""
+    `stream_options` but for usage on every chunk, a run id, an escaped key, `connection:
+    close`; between them the front takes the others (usage on every chunk, a completions
+    request)."""
     raw_upstream.script = STREAM
     front, python = two_proxies
     sequence = [
         _request(ASK),
-        _request(ASK_USAGE),  # its own stream_options: Python's
+        _request({**ASK, "stream_options": {"include_usage": True}}),  # its own: Python's
+        _request(ASK_USAGE),  # its own, usage on every chunk: the front's, as it came
         _request(ASK),  # the front's
         _request(ASK, b"x-phasewatch-run-id: r1\r\n"),  # a run id: Python's
         _request({"model": "m", "prompt": "hi", "stream": True},
@@ -202,7 +207,7 @@ def test_requests_the_front_leaves_to_python_are_answered_on_the_same_connection
         assert mine.startswith(b"HTTP/1.1 200 OK\r\n")
     outcomes = sorted(front.next_record().outcome for _ in sequence)
     assert outcomes == ["ok"] * len(sequence)
-    assert _front(front) == 3
+    assert _front(front) == 4
 
 
 def test_an_upstream_error_status_on_a_front_request_reaches_the_client_unchanged(
