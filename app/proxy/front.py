@@ -101,7 +101,7 @@ class Front:
         self._ctx = ctx
         self._configured = False
         self._keep_alive_ns = 0
-        self.requests = FrontRequests(ctx, self)
+        self.requests = FrontRequests(ctx)
 
     def keep(self, leg: ClientLeg, conn: UpstreamConnection) -> FrontConn | None:
         """For a stream going to the native leg at its head: its connections, to be kept at a
@@ -176,9 +176,8 @@ class Front:
 class FrontRequests:
     """The owner of the front's streams until Python looks at them (`catch_up`)."""
 
-    def __init__(self, ctx: ProxyContext, front: Front) -> None:
+    def __init__(self, ctx: ProxyContext) -> None:
         self._ctx = ctx
-        self._front = front
 
     def native_returned(self, stream: Stream) -> None:
         """A stream that came back before Python looked at it."""
