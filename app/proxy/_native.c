@@ -1010,34 +1010,53 @@ static const char *json_value(const char *p, const char *e, int depth) {
     }
 }
 
+/* A non-empty object's members, one at a time: `*p` at a member's key (after `{`, or after
+ * the last call), its key (unescaped, else NULL: Python's) and value spans out, `*p` moved
+ * past its separator; 1 another member follows, 0 this was the last (`*p` past the `}`), -1
+ * not read plainly. */
+static int json_member(const char **p, const char *e, int depth, const char **key,
+                       Py_ssize_t *key_len, const char **value, Py_ssize_t *value_len) {
+    int escaped = 0;
+    const char *q = json_string(*p, e, &escaped);
+    if (q == NULL || escaped) return -1;
+    *key = *p + 1;
+    *key_len = q - *p - 2;
+    q = json_ws(q, e);
+    if (q >= e || *q != ':') return -1;
+    *value = json_ws(q + 1, e);
+    q = json_value(*value, e, depth);
+    if (q == NULL) return -1;
+    *value_len = q - *value;
+    q = json_ws(q, e);
+    if (q < e && *q == ',') { *p = json_ws(q + 1, e); return 1; }
+    if (q < e && *q == '}') { *p = q + 1; return 0; }
+    return -1;
+}
+
+/* `p` at an object: past its `{` to its first member; NULL when it is not one or empty. */
+static const char *json_members(const char *p, const char *e) {
+    if (p >= e || *p != '{') return NULL;
+    p = json_ws(p + 1, e);
+    return (p < e && *p == '}') ? NULL : p;
+}
+
+static int is_literal(const char *value, Py_ssize_t len, const char *lit) {
+    return (size_t)len == strlen(lit) && memcmp(value, lit, (size_t)len) == 0;
+}
+
 /* The client's own `stream_options` (an object): 1 when it asks for usage on every chunk
  * (`include_usage` and `continuous_usage_stats` both `true`, the last of each name as
  * orjson keeps it), which `plan_request` forwards as it is; 0 anything else. */
 static int options_continuous(const char *p, const char *e) {
-    int usage = 0, continuous = 0;
-    if (p >= e || *p != '{') return 0;
-    p = json_ws(p + 1, e);
-    if (p < e && *p == '}') return 0;
-    for (;;) {
-        int escaped = 0;
-        const char *key = p;
-        p = json_string(p, e, &escaped);
-        if (p == NULL || escaped) return 0;
-        Py_ssize_t key_len = p - key - 2;
-        key++;
-        p = json_ws(p, e);
-        if (p >= e || *p != ':') return 0;
-        const char *value = json_ws(p + 1, e);
-        p = json_value(value, e, 2);
-        if (p == NULL) return 0;
-        int yes = p - value == 4 && memcmp(value, "true", 4) == 0;
-        if (key_len == 13 && memcmp(key, "include_usage", 13) == 0) usage = yes;
-        else if (key_len == 22 && memcmp(key, "continuous_usage_stats", 22) == 0)
-            continuous = yes;
-        p = json_ws(p, e);
-        if (p < e && *p == ',') { p = json_ws(p + 1, e); continue; }
-        if (p < e && *p == '}') break;
-        return 0;
+    int usage = 0, continuous = 0, more = 1;
+    if ((p = json_members(p, e)) == NULL) return 0;
+    while (more) {
+        const char *key, *value;
+        Py_ssize_t key_len, value_len;
+        if ((more = json_member(&p, e, 2, &key, &key_len, &value, &value_len)) < 0) return 0;
+        int yes = is_literal(value, value_len, "true");
+        if (is_literal(key, key_len, "include_usage")) usage = yes;
+        else if (is_literal(key, key_len, "continuous_usage_stats")) continuous = yes;
     }
     return usage && continuous;
 }
@@ -1049,40 +1068,24 @@ static int options_continuous(const char *p, const char *e) {
  * 0 anything else (Python's). */
 static int body_plain(const char *b, Py_ssize_t n, const char **model, Py_ssize_t *model_len) {
     const char *p = json_ws(b, b + n), *e = b + n;
-    int stream = 0, single = 1, options = 0;
+    int stream = 0, single = 1, options = 0, more = 1;
     *model = NULL;
     *model_len = 0;
-    if (p >= e || *p != '{') return 0;
-    p = json_ws(p + 1, e);
-    if (p < e && *p == '}') return 0;
-    for (;;) {
-        int escaped = 0;
-        const char *key = p;
-        p = json_string(p, e, &escaped);
-        if (p == NULL || escaped) return 0;
-        Py_ssize_t key_len = p - key - 2;
-        key++;
-        p = json_ws(p, e);
-        if (p >= e || *p != ':') return 0;
-        const char *value = json_ws(p + 1, e);
-        p = json_value(value, e, 1);
-        if (p == NULL) return 0;
-        Py_ssize_t value_len = p - value;
-        if (key_len == 6 && memcmp(key, "stream", 6) == 0)
-            stream = value_len == 4 && memcmp(value, "true", 4) == 0;
-        else if (key_len == 14 && memcmp(key, "stream_options", 14) == 0)
-            options = options_continuous(value, p) ? 2 : -1;
-        else if (key_len == 1 && key[0] == 'n')
-            single = (value_len == 4 && memcmp(value, "null", 4) == 0)
-                     || (value_len == 1 && value[0] == '1');
-        else if (key_len == 5 && memcmp(key, "model", 5) == 0) {
+    if ((p = json_members(p, e)) == NULL) return 0;
+    while (more) {
+        const char *key, *value;
+        Py_ssize_t key_len, value_len;
+        if ((more = json_member(&p, e, 1, &key, &key_len, &value, &value_len)) < 0) return 0;
+        if (is_literal(key, key_len, "stream"))
+            stream = is_literal(value, value_len, "true");
+        else if (is_literal(key, key_len, "stream_options"))
+            options = options_continuous(value, value + value_len) ? 2 : -1;
+        else if (is_literal(key, key_len, "n"))
+            single = is_literal(value, value_len, "null") || is_literal(value, value_len, "1");
+        else if (is_literal(key, key_len, "model")) {
             *model = value;
             *model_len = value_len;
         }
-        p = json_ws(p, e);
-        if (p < e && *p == ',') { p = json_ws(p + 1, e); continue; }
-        if (p < e && *p == '}') { p++; break; }
-        return 0;
     }
     if (json_ws(p, e) != e || !stream || !single || options < 0) return 0;
     return options == 2 ? 2 : 1;
