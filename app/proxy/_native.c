@@ -50,7 +50,7 @@
  * reads of that client; the thread hears the client's hang-up itself) keeps both connections
  * at a clean end, the client's buffer drained. The thread then reads the client's next request
  * (`front_ready`). A plain one (`front_request`: a streamed completion or chat request with a
- * `Content-Length` body of ASCII JSON that `plan_request` would plan by appending
+ * `Content-Length` body of JSON in UTF-8 that `plan_request` would plan by appending
  * `stream_options`) it sends upstream on the kept connection, with the headers the Python path
  * forwards, and relays on a stream object Python stocked (`stock`) as one started at its head;
  * Python looks at it later (`front_started`) or at its end. Anything else, the upstream's close
@@ -915,7 +915,8 @@ static void front_keep(Relay *r, Stream *s) {
     }
 }
 
-/* JSON, as strictly as orjson reads it, for a body of ASCII (anything else: Python's). */
+/* JSON, as strictly as orjson reads it: UTF-8 in strings, ASCII elsewhere (anything else:
+ * Python's). */
 static const char *json_ws(const char *p, const char *e) {
     while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
     return p;
@@ -925,13 +926,42 @@ static int hexdigit(char c) {
     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
 }
 
+/* `p` at a byte past ASCII: past its UTF-8 sequence, or NULL when that is not one as a strict
+ * decoder reads it (an overlong form, a surrogate, past U+10FFFF, cut short): orjson refuses
+ * such a body, and Python answers it. */
+static const char *utf8_sequence(const char *p, const char *e) {
+    const unsigned char *u = (const unsigned char *)p;
+    Py_ssize_t more;
+    unsigned char low = 0x80, high = 0xBF;
+    if (u[0] >= 0xC2 && u[0] <= 0xDF) more = 1;
+    else if (u[0] >= 0xE0 && u[0] <= 0xEF) {
+        more = 2;
+        if (u[0] == 0xE0) low = 0xA0;  /* overlong below */
+        else if (u[0] == 0xED) high = 0x9F;  /* U+D800..U+DFFF above */
+    } else if (u[0] >= 0xF0 && u[0] <= 0xF4) {
+        more = 3;
+        if (u[0] == 0xF0) low = 0x90;
+        else if (u[0] == 0xF4) high = 0x8F;  /* past U+10FFFF above */
+    } else {
+        return NULL;
+    }
+    if (e - p <= more || u[1] < low || u[1] > high) return NULL;
+    for (Py_ssize_t i = 2; i <= more; i++)
+        if (u[i] < 0x80 || u[i] > 0xBF) return NULL;
+    return p + more + 1;
+}
+
 static const char *json_string(const char *p, const char *e, int *escaped) {
     if (p >= e || *p != '"') return NULL;
     p++;
     while (p < e) {
         unsigned char c = (unsigned char)*p;
         if (c == '"') return p + 1;
-        if (c < 0x20 || c >= 0x80) return NULL;
+        if (c < 0x20) return NULL;
+        if (c >= 0x80) {
+            if ((p = utf8_sequence(p, e)) == NULL) return NULL;
+            continue;
+        }
         if (c == '\\') {
             if (escaped) *escaped = 1;
             p++;
@@ -946,7 +976,8 @@ static const char *json_string(const char *p, const char *e, int *escaped) {
                 p += 5;
                 continue;
             }
-            if (strchr("\"\\/bfnrt", *p) == NULL) return NULL;
+            /* (strchr finds the literal's own NUL) */
+            if (*p == 0 || strchr("\"\\/bfnrt", *p) == NULL) return NULL;
         }
         p++;
     }
@@ -2223,7 +2254,23 @@ static PyObject *nearest_ranks(PyObject *Py_UNUSED(m), PyObject *args) {
     return result;
 }
 
+static PyObject *body_plan(PyObject *Py_UNUSED(m), PyObject *arg) {
+    /* body_plan(body): (the front's plan of a request body, `body_plain`: 0 Python's, 1
+     * `stream_options` appended, 2 as it came; the `model` value's bytes, or None). For the
+     * tests, which hold the front's reading of JSON to orjson's. */
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    const char *model;
+    Py_ssize_t model_len;
+    int plan = body_plain(b.buf, b.len, &model, &model_len);
+    PyObject *out = model == NULL ? Py_BuildValue("(iO)", plan, Py_None)
+                                  : Py_BuildValue("(iy#)", plan, model, model_len);
+    PyBuffer_Release(&b);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"body_plan", body_plan, METH_O, NULL},
     {"replay_exact", replay_exact, METH_VARARGS, NULL},
     {"nearest_ranks", nearest_ranks, METH_VARARGS, NULL},
     {NULL},

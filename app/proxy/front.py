@@ -5,7 +5,7 @@ client's reads are paused in the event loop from then on, and when the stream en
 (its response's end written and taken by the client's socket) the thread keeps both the
 client's connection and the upstream's (`_native.c`, "the front"). It reads the client's next
 request itself. A plain one (a streamed `/v1/completions` or `/v1/chat/completions`, a
-`Content-Length` body of ASCII JSON with `"stream": true`, `n` absent, null or 1, no
+`Content-Length` body of JSON in valid UTF-8 with `"stream": true`, `n` absent, null or 1, no
 `stream_options` or the client's own asking for usage on every chunk; no header the relay
 reads but `x-request-id`) it plans as `plan_request` does (`stream_options` appended before
 the closing brace, or the body as it came), sends upstream on the kept connection

@@ -132,17 +132,23 @@ def _same(front: bytes, python: bytes) -> None:
     ASK, {**ASK, "n": 1, "max_tokens": 30},
     {**ASK, "messages": [{"role": "user", "content": "x" * 20000}]},  # past its first buffer
     ASK_USAGE,  # the client's own options, asking for usage on every chunk: kept in its stream
-], ids=["plain", "n-1", "long-prompt", "usage-asked"])
+    # UTF-8 as it is (orjson writes no escapes; nor do clients that send `ensure_ascii=False`)
+    {**ASK, "messages": [{"role": "user",
+                          "content": "h\u00e9llo, \u65e5\u672c\u8a9e \U0001f642"}]},
+], ids=["plain", "n-1", "long-prompt", "usage-asked", "utf-8"])
 def test_a_kept_connection_s_next_requests_go_through_the_front_with_the_same_bytes(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,  # noqa: F811
         body: dict[str, Any]) -> None:
     raw_upstream.script = STREAM
     front, python = two_proxies
-    answers = {}
+    answers, sent = {}, {}
     for proxy in (front, python):
+        raw_upstream.bodies.clear()
         conn = _Connection(proxy)
         answers[proxy] = [conn.ask(_request(body)) for _ in range(4)]
         conn.close()
+        sent[proxy] = list(raw_upstream.bodies)
+    assert sent[front] == sent[python]  # what went upstream, byte for byte
     for mine, theirs in zip(answers[front], answers[python], strict=True):
         _same(mine, theirs)
         assert mine.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
@@ -208,6 +214,63 @@ def test_requests_the_front_leaves_to_python_are_answered_on_the_same_connection
     outcomes = sorted(front.next_record().outcome for _ in sequence)
     assert outcomes == ["ok"] * len(sequence)
     assert _front(front) == 4
+
+
+def _orjson_reads(body: bytes) -> bool:
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def test_the_front_reads_a_string_s_bytes_as_orjson_does() -> None:
+    """Every two-byte sequence, and every three- and four-byte one from each lead byte past
+    ASCII with every second byte (the byte whose range the strict rules narrow), inside a
+    string of a plain body: the front plans the body exactly when orjson reads it."""
+    from phasewatch.proxy._native import body_plan
+    tails = (b"\x80", b"\xbf", b"\x7f", b"\xc0")
+    cases = [bytes((a, b)) for a in range(256) for b in range(256)]
+    cases += [bytes((a, b)) + t + u for a in range(0xe0, 0x100) for b in range(256)
+              for t in tails for u in (b"", *tails) if a >= 0xf0 or not u]
+    read = {True: 0, False: 0}
+    for case in cases:
+        body = b'{"model":"m","stream":true,"prompt":"%b"}' % case
+        valid = _orjson_reads(body)
+        planned, _ = body_plan(body)
+        assert (planned == 1) == valid, case
+        read[valid] += 1
+    assert read[True] > 10000 and read[False] > 10000
+
+
+@pytest.mark.parametrize("bad", [
+    b"\xed\xa0\x80",  # a surrogate, encoded
+    b"\xc0\xaf",  # an overlong form
+    b"\xf4\x90\x80\x80",  # past U+10FFFF
+    b"\xe6\x97",  # cut short
+    b"\xff",
+], ids=["surrogate", "overlong", "past-max", "cut-short", "never-utf-8"])
+def test_a_body_that_is_not_utf_8_goes_to_python_as_it_came(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,  # noqa: F811
+        bad: bytes) -> None:
+    """orjson refuses it, so the Python path forwards it unplanned; the front leaves it to that
+    path. A plain request after it on the same connection is answered the same way too."""
+    raw_upstream.script = STREAM
+    front, python = two_proxies
+    body = b'{"model":"m","messages":[{"role":"user","content":"a%bz"}],"stream":true}' % bad
+    answers, sent = {}, {}
+    for proxy in (front, python):
+        conn = _Connection(proxy)
+        conn.ask(_request(ASK))  # its stream keeps the connection for the front
+        raw_upstream.bodies.clear()
+        answers[proxy] = [conn.ask(_request(body)), conn.ask(_request(ASK))]
+        conn.close()
+        sent[proxy] = list(raw_upstream.bodies)
+    assert sent[front] == sent[python]
+    assert sent[front][0] == body  # not planned: as it came
+    for mine, theirs in zip(answers[front], answers[python], strict=True):
+        _same(mine, theirs)
+    assert _front(front) == 0
 
 
 def test_an_upstream_error_status_on_a_front_request_reaches_the_client_unchanged(

@@ -75,6 +75,7 @@ class RawUpstream:
         self.head_delay = 0.0  # seconds before the head (a queue, a prefill)
         self.head = HEAD  # the response's head, written before the script
         self.streamed_on = 0  # connections that carried a streamed request
+        self.bodies: list[bytes] = []  # every request's body, as it came
         self.closed_by_peer = threading.Event()  # a write failed: the proxy closed the stream
         self.blocked = threading.Event()  # a write did not fit the socket: back-pressure
         self._loop = asyncio.new_event_loop()
@@ -112,7 +113,7 @@ class RawUpstream:
                     name, _, value = line.partition(b":")
                     if name.strip().lower() == b"content-length":
                         length = int(value)
-                await reader.readexactly(length)
+                self.bodies.append(await reader.readexactly(length))
                 if self.head_delay:
                     await asyncio.sleep(self.head_delay)
                 writer.write(self.head)
