@@ -103,7 +103,8 @@ typedef struct {
     int running;
     pthread_mutex_t lock;
     Stream *active;   /* held by the thread (under lock) */
-    Stream *done;     /* handed back, waiting for `finished()` (under lock) */
+    Stream *done;     /* handed back, waiting for `finished()`, oldest first (under lock) */
+    Stream *done_tail;
     Stream *retired;  /* handed back in the current epoll batch (the thread's own) */
     int closing;
     int64_t quiet_since; /* (thread) the oldest stream published without a wake (0: none) */
@@ -185,6 +186,10 @@ struct Front {
     int64_t idle_ns;          /* since when it waits for a request */
     Stream *stream;           /* the stream answering its request (NULL: idle) */
     int why;                  /* FRONT_* once let go */
+    /* The stream Python started that kept it has not been taken by Python yet: let go, it
+     * waits in `closed` until then, so that Python hears of the stream's end (and gives the
+     * connections to the front) before it hears of the front's. */
+    int keeper_unseen;
 };
 
 enum { FRONT_EOF = 1, FRONT_PYTHON = 2, FRONT_STREAM = 3, FRONT_ASKED = 4, FRONT_BROKEN = 5,
@@ -507,12 +512,20 @@ static void hand_back(Relay *r, Stream *s, int ending) {
 static void publish(Relay *r) {
     if (r->retired == NULL) return;
     int urgent = 0;
-    pthread_mutex_lock(&r->lock);
+    Stream *oldest = NULL;  /* `retired` is newest first: Python takes them in their order */
     while (r->retired != NULL) {
         Stream *s = r->retired;
         r->retired = s->next;
-        s->next = r->done;
-        r->done = s;
+        s->next = oldest;
+        oldest = s;
+    }
+    pthread_mutex_lock(&r->lock);
+    while (oldest != NULL) {
+        Stream *s = oldest;
+        oldest = s->next;
+        s->next = NULL;
+        if (r->done_tail != NULL) r->done_tail->next = s; else r->done = s;
+        r->done_tail = s;
         /* Quiet: ended, the response's end written and taken by the client's socket, and no
          * request waiting behind it (`urge`). */
         if (!(s->ending == END_BODY && s->end_written && s->out_len == 0 && !s->urgent))
@@ -893,6 +906,7 @@ static void front_keep(Relay *r, Stream *s) {
         if (r->fronts) r->fronts->prev = f;
         r->fronts = f;
         s->kept = f;
+        f->keeper_unseen = 1;
     } else {
         f->stream = NULL;
         s->front = NULL;
@@ -1777,11 +1791,12 @@ static void Relay_dealloc(Relay *r) {
     relay_join(r);
     Stream *s = r->done;
     while (s != NULL) { Stream *next = s->next; Py_DECREF(s); s = next; }
-    r->done = NULL;
+    r->done = r->done_tail = NULL;
     s = r->spares;
     while (s != NULL) { Stream *next = s->next; Py_DECREF(s); s = next; }
     r->spares = NULL;
     fronts_let_go(r);
+    for (Front *f = r->closed; f != NULL; f = f->next) f->keeper_unseen = 0;  /* all go */
     Py_XDECREF(Relay_closed(r, NULL));
     free(r->f_rest); free(r->f_prefix); free(r->f_host); free(r->f_admin);
     if (r->epfd >= 0) close(r->epfd);
@@ -1875,8 +1890,9 @@ static PyObject *Relay_start(Relay *r, PyObject *args) {
 static PyObject *take_done(Relay *r);
 
 static PyObject *Relay_finished(Relay *r, PyObject *Py_UNUSED(ignored)) {
-    /* The streams handed back since the last call, in no particular order; the notification
-     * read (the event loop calls this when `fileno()` is readable). */
+    /* The streams handed back since the last call, in the order they were (a stream that kept
+     * a front before its front's own); the notification read (the event loop calls this when
+     * `fileno()` is readable). */
     uint64_t v;
     ssize_t rd = read(r->notify_fd, &v, sizeof v);
     (void)rd;
@@ -1892,7 +1908,9 @@ static PyObject *Relay_ended(Relay *r, PyObject *Py_UNUSED(ignored)) {
 static PyObject *take_done(Relay *r) {
     pthread_mutex_lock(&r->lock);
     Stream *s = r->done;
-    r->done = NULL;
+    r->done = r->done_tail = NULL;
+    for (Stream *t = s; t != NULL; t = t->next)
+        if (t->kept != NULL) t->kept->keeper_unseen = 0;  /* (alive until then: `closed()`) */
     pthread_mutex_unlock(&r->lock);
     PyObject *list = PyList_New(0);
     while (s != NULL) {
@@ -1992,8 +2010,16 @@ static PyObject *Relay_closed(Relay *r, PyObject *Py_UNUSED(ignored)) {
     /* The fronts let go since the last call: (owner, why, bytes the thread read of a request
      * it did not take, when the first came). */
     pthread_mutex_lock(&r->lock);
-    Front *f = r->closed;
+    Front *f = r->closed, *waiting = NULL;
     r->closed = NULL;
+    while (f != NULL) {  /* those whose keeper Python has not taken stay (`keeper_unseen`) */
+        Front *next = f->next;
+        if (f->keeper_unseen) { f->next = waiting; waiting = f; }
+        else { f->next = r->closed; r->closed = f; }
+        f = next;
+    }
+    f = r->closed;
+    r->closed = waiting;
     pthread_mutex_unlock(&r->lock);
     PyObject *list = PyList_New(0);
     while (f != NULL) {

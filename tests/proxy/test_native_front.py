@@ -13,9 +13,12 @@ timeout.
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httptools
@@ -23,6 +26,7 @@ import httpx
 import orjson
 import pytest
 
+from phasewatch.proxy import native
 from tests.conftest import Proxy
 from tests.proxy.test_native_relay import (
     ASK,
@@ -35,7 +39,8 @@ from tests.proxy.test_native_relay import (
     _tokens,
     raw_upstream,  # noqa: F401 (a fixture)
 )
-from tests.support.served import parse_metrics
+from tests.support.served import parse_metrics, total, wait_for
+from tests.support.servers import free_port, subprocess_server
 
 pytest.importorskip("phasewatch.proxy._native", reason="the native relay is not built here")
 
@@ -273,6 +278,48 @@ def test_a_body_that_is_not_utf_8_goes_to_python_as_it_came(
     assert _front(front) == 0
 
 
+def test_clients_that_close_as_their_response_ends_leave_nothing_in_flight(
+        raw_upstream: RawUpstream, tmp_path: Path) -> None:  # noqa: F811
+    """A connection per request, closed by its client as soon as the response's end comes:
+    the thread lets go the front it kept at once, often before the event loop took the stream
+    that kept it. Python must hear of that stream first (`keeper_unseen`, _native.c): else
+    the connections go back under a request still held, which is then never finished, and
+    shutdown waits for it. Through `phasewatch serve` as users run it, under load."""
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3), *_ending(3)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {"PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'phasewatch.db'}",
+           "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
+           "PHASEWATCH_METRICS_CACHE_S": "0", "PHASEWATCH_ENGINE_METRICS_ENABLED": "false"}
+    args = ["-m", "phasewatch.cli", "serve", "--upstream", raw_upstream.url, "--port", str(port)]
+    sent = 1500
+    request = _request(ASK)
+
+    def one(_: int) -> bool:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+            sock.sendall(request)
+            raw = b""
+            while not raw.endswith(b"0\r\n\r\n"):
+                data = sock.recv(65536)
+                if not data:
+                    return False
+                raw += data
+        return True  # closed here, as the response's end came
+
+    with subprocess_server(args, url + "/api/health", env=env) as server:
+        with ThreadPoolExecutor(16) as pool:
+            assert all(pool.map(one, range(sent)))
+
+        def settled() -> bool:
+            samples = parse_metrics(httpx.get(url + "/metrics").text)
+            return (total(samples, "phasewatch_requests_total") == sent
+                    and total(samples, "phasewatch_requests_in_flight") == 0)
+
+        wait_for(settled, timeout=15, says="every request finished, none in flight")
+        server.terminate()
+        assert server.wait(timeout=10) in (0, -signal.SIGTERM)  # nothing held shutdown
+
+
 def test_an_upstream_error_status_on_a_front_request_reaches_the_client_unchanged(
         two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream) -> None:  # noqa: F811
     """The front sent the request; the upstream's 400 is not a head it takes: the Python path
@@ -304,6 +351,31 @@ def test_an_upstream_error_status_on_a_front_request_reaches_the_client_unchange
     assert records == [(200, "ok"), (200, "ok"), (400, "http_error")]
     # The front sent the second; the Python path that took it over serves the third.
     assert _front(front) == 1
+
+
+def test_a_stream_that_ended_quietly_is_taken_before_the_front_s_next_one(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept connection's first stream ends quietly (no wake-up, native.py); the front's
+    next request comes back at once (an upstream 400) and wakes the event loop: both are then
+    handed back together, and Python takes them in the order they ended (the connection
+    given to the front, then taken over), so the connection is uvicorn's again: shutting
+    down closes it at once, as an idle connection of its own (not one lent to the front)."""
+    monkeypatch.setattr(native, "QUIET_MS", 60_000)
+    proxy = make_proxy(raw_upstream.url, native_front=True)
+    conn = _kept(proxy, raw_upstream)
+    error = b'{"error": "bad"}'
+    raw_upstream.head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(error))
+    raw_upstream.script = [error]
+    assert conn.ask(_request(ASK)).endswith(error)
+    records = sorted((r.http_status, r.outcome) for r in (proxy.next_record() for _ in range(2)))
+    assert records == [(200, "ok"), (400, "http_error")]
+    started = time.monotonic()
+    proxy.server.server.should_exit = True  # shutting down (the fixture joins it)
+    assert conn.closed()
+    assert time.monotonic() - started < 3  # not the keep-alive timeout's 5 s
+    conn.close()
 
 
 def test_an_error_event_mid_stream_is_taken_over_where_the_front_left_it(
