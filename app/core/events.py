@@ -125,12 +125,19 @@ def usage_span(raw: bytes) -> tuple[int, int] | None:
     start = raw.rfind(USAGE_KEY)
     if start < 0:
         return None
-    pos = start + len(USAGE_KEY) - 1  # the object's opening brace
-    end = raw.find(b"}", pos)
-    # Usage holds numbers and small nested objects, never strings with braces: balance them.
-    while end >= 0 and raw.count(b"{", pos, end + 1) != raw.count(b"}", pos, end + 1):
-        end = raw.find(b"}", end + 1)
-    return None if end < 0 else (start, end)
+    # Usage holds numbers and small nested objects, never strings with braces: the object ends
+    # at the first closing brace where the braces since its opening one balance (counted
+    # stretch by stretch, so a run of braces costs one pass, not one per brace).
+    scanned = start + len(USAGE_KEY) - 1  # the object's opening brace
+    depth = 0
+    end = raw.find(b"}", scanned)
+    while end >= 0:
+        depth += raw.count(b"{", scanned, end + 1) - raw.count(b"}", scanned, end + 1)
+        if depth == 0:
+            return start, end
+        scanned = end + 1
+        end = raw.find(b"}", scanned)
+    return None
 
 
 def cut_usage(raw: bytes, start: int, end: int) -> bytes:

@@ -270,10 +270,10 @@ class ProxyMetrics:
             "handed off again after an event it gives back).",
             registry=registry,
         )
-        self.native_front = Counter(
-            "phasewatch_native_front_requests",
-            "Requests the native front took: a kept-alive connection's next plain request, "
-            "sent upstream and relayed by the native thread with no Python until its end.",
+        self.native_failures = Counter(
+            "phasewatch_native_relay_failures",
+            "Failures of the native relay's thread: each time, every stream it held went on in "
+            "Python, and the process relays every stream in Python from then on.",
             registry=registry,
         )
         self.records_dropped = Counter(
@@ -306,7 +306,7 @@ class ProxyMetrics:
         self.observe_proxy_queue = fast_observe(self.proxy_queue)
         loop_owned(self.in_flight)
         loop_owned(self.native_streams)
-        loop_owned(self.native_front)
+        loop_owned(self.native_failures)
         # Set by each record queued and each batch stored, both on the event loop.
         loop_owned(self.record_queue_depth)
 

@@ -48,12 +48,11 @@ class Settings(BaseSettings):
     # each chunk's token count is exact. Turn off for upstreams that reject the field.
     upstream_continuous_usage: bool = True
     # Relay the running token chunks of an exactly counted stream in the native thread
-    # (app/proxy/native.py) where the extension is built; off: every read goes through Python.
+    # (app/proxy/native.py) on Linux; off: every read goes through Python.
     native_relay: bool = True
-    # The native thread also takes a kept-alive client's next plain streamed request, sending
-    # it upstream and relaying it with no Python until its end (app/proxy/front.py); needs the
-    # native relay. Off: every request goes through uvicorn and the relay's coroutine.
-    native_front: bool = True
+    # A request's head (and a new connection's first one) must arrive within this long, or the
+    # client gets a 408 and the connection is closed: a half-sent head holds nothing forever.
+    client_head_timeout_s: float = Field(default=30.0, gt=0)
     # A client that takes nothing of its stream for this long (its socket buffer full) is cut
     # off and its upstream request closed, rather than holding an engine slot until the
     # upstream idle timeout.

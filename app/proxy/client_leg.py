@@ -37,6 +37,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import orjson
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import (
     STATUS_LINE,
     HttpToolsProtocol,
@@ -44,8 +45,14 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
+from phasewatch.core.event_loop import PollSet
 from phasewatch.core.log_throttle import LogThrottle
+from phasewatch.proxy.arrival import KernelArrivals
 from phasewatch.proxy.native import plain_fd
+
+# The uvicorn minor versions this module was tested with: it moves uvicorn's request cycle as
+# uvicorn's own `send` does, so pyproject.toml pins uvicorn to these (tests fail on another).
+TESTED_UVICORN = ("0.55",)
 
 CLIENT_LEG = "phasewatch.client_leg"
 # The lifespan state key under which the app offers its shutdown's `begin` (shutdown.py).
@@ -54,56 +61,85 @@ SHUTDOWN_HOOK = "phasewatch.shutdown"
 # each read of a client's bytes first takes back the streams that ended quietly, so that a
 # request after a response's end finds that response complete and its record finished.
 ENDED_HOOK = "phasewatch.native_ended"
+# The lifespan state keys of the head timeout (seconds) and of the kernel's arrival stamps.
+HEAD_TIMEOUT = "phasewatch.head_timeout_s"
+ARRIVALS = "phasewatch.arrivals"
 
 log = logging.getLogger(__name__)
 
 
 class Lending(Enum):
-    """Where a client connection is with the native front (front.py)."""
+    """Whether the native leg holds this request's client socket (native.py)."""
 
-    NO = "no"  # the event loop reads it
-    STREAM = "stream"  # a stream that may keep it is in the native leg: reads paused
-    IDLE = "idle"  # the native thread holds it between requests
+    NO = "no"  # the server reads it
+    PAUSED = "paused"  # lent: the server's reads were paused for it, and resume at its return
+    WAS_PAUSED = "was_paused"  # lent while the server had paused its reads itself (pipelining)
 
 
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "adoption", "arrival_ns", "followed", "front", "on_disconnect",
-                 "on_followed", "on_pause", "on_resume", "plain_fd", "protocol")
+    __slots__ = ("_cycle", "_flow", "arrival_ns", "followed", "lending", "on_disconnect",
+                 "on_pause", "on_resume", "plain_fd")
 
-    def __init__(self, arrival_ns: int, plain_fd: int | None = None,
-                 protocol: Any = None) -> None:
+    def __init__(self, arrival_ns: int, plain_fd: int | None = None) -> None:
         self.arrival_ns = arrival_ns
-        self.protocol = protocol  # the connection's (the native front's, front.py)
-        self.front: Any = None  # the connections, kept at the stream's end (front.py)
-        self.adoption: Any = None  # a front's request the relay takes over (front.py)
         self.plain_fd = plain_fd  # the connection's socket, for the native leg (native.py)
         self._cycle: RequestResponseCycle | None = None
+        self._flow: FlowControl | None = None  # the connection's read switch, while lent
+        self.lending = Lending.NO
         # Set by the relay while it writes directly: called as the client's buffer fills/drains.
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
         # Set by the relay for the whole exchange: called once if the client disconnects.
         self.on_disconnect: Callable[[], None] | None = None
         # A request is queued behind this one on its connection (pipelined): it starts when
-        # this response's cycle completes. `on_followed` (set by the relay while the native
-        # leg holds the stream) is called when that becomes true.
+        # this response's cycle completes.
         self.followed = False
-        self.on_followed: Callable[[], None] | None = None
 
     def release(self) -> None:
         """The app is done with the request (main.py): let go of the server's cycle and the
         relay's callbacks. The cycle's scope holds this leg, and the callbacks the relay's
-        exchange, so each request would otherwise leave them all to the cyclic collector."""
+        exchange, so each request would otherwise leave them all to the cyclic collector.
+        A socket still lent is reclaimed when the native leg hands its stream back."""
         self._cycle = None
-        self.on_pause = self.on_resume = self.on_disconnect = self.on_followed = None
-        self.protocol = self.front = self.adoption = None
+        self.on_pause = self.on_resume = self.on_disconnect = None
 
     def queued_behind(self) -> None:
         """The server queued a request behind this one (`PhasewatchHttpProtocol`)."""
         self.followed = True
-        if self.on_followed is not None:
-            self.on_followed()
+
+    # -- the native leg (native.py) -----------------------------------------------------------
+
+    def can_lend(self) -> bool:
+        """The client's socket can go to the native leg now: the response has started here,
+        nothing waits to be written to it, and it takes what is written."""
+        cycle = self._cycle
+        if (cycle is None or cycle.disconnected or cycle.response_complete
+                or not cycle.response_started or cycle.flow.write_paused):
+            return False
+        transport = cycle.transport
+        return not transport.is_closing() and not transport.get_write_buffer_size()
+
+    def lend(self, poll_set: PollSet | None) -> None:
+        """The native leg takes the client's socket (after `can_lend`): the server stops
+        reading it and it leaves the event loop's poll set, so that the thread alone watches
+        it (for its hang-up, and a request sent behind this one) and writes to it."""
+        cycle = self._cycle
+        assert cycle is not None and self.lending is Lending.NO
+        flow = self._flow = cycle.flow
+        self.lending = Lending.WAS_PAUSED if flow.read_paused else Lending.PAUSED
+        flow.pause_reading()
+        if poll_set is not None and self.plain_fd is not None:
+            poll_set.forget(cycle.transport, self.plain_fd)
+
+    def reclaim(self) -> None:
+        """The native leg handed the socket back: the server reads it again (unless it had
+        paused its reads itself, which it undoes when the response completes)."""
+        lending, self.lending = self.lending, Lending.NO
+        flow, self._flow = self._flow, None
+        if lending is Lending.PAUSED and flow is not None:
+            flow.resume_reading()
 
     @property
     def cycle(self) -> RequestResponseCycle | None:
@@ -238,6 +274,16 @@ class ClientLeg:
         cycle.on_response()
 
 
+# The answer to a request whose head did not arrive within the head timeout.
+def _timed_out_answer(timeout_s: float) -> bytes:
+    body = orjson.dumps({"error": {
+        "message": f"the request's head did not arrive within {timeout_s:g} s "
+                   "(PHASEWATCH_CLIENT_HEAD_TIMEOUT_S)",
+        "type": "request_timeout", "param": None, "code": 408}})
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(body), body))
+
+
 # The answer to a connection over the limit, written as soon as it is accepted.
 _OVER_CAPACITY_BODY = orjson.dumps({"error": {
     "message": "phasewatch is at its connection capacity (the open-file limit): retry shortly",
@@ -254,20 +300,21 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     uvicorn would answer in plain text, and only after reading a request)."""
 
     _read_ns = 0
+    _first_ns: int | None = None  # the kernel's receive time of the first byte (arrival.py)
     _plain_fd: int | None = None
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
     _take_ended: Callable[[], None] | None = None
-    # Where the connection is with the native front (front.py): one value.
-    lending = Lending.NO
-    shutting_down = False  # uvicorn asked this connection to shut down
-    _adoption: Any = None  # a front's request the next message is (front.py `Adoption`)
+    # A request's head is being read: from its first byte (or the connection's start) to its
+    # end, and `_head_timer` ends the connection if that takes longer than the head timeout.
+    _in_head = True
+    _head_timer: asyncio.TimerHandle | None = None
     # (Class-wide) the connections refused so far, logged at most every 10 s.
     _refusals = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._plain_fd = plain_fd(transport)
+        fd = self._plain_fd = plain_fd(transport)
         self._take_ended = self.app_state.get(ENDED_HOOK)
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) >= limit:
@@ -282,89 +329,76 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
                 log.warning("connection limit %d reached: %d connection(s) refused with 503 so "
                             "far (raise the open-file limit, or add workers/replicas)", limit,
                             refusals.count)
+            return
+        arrivals: KernelArrivals | None = self.app_state.get(ARRIVALS)
+        if arrivals is not None and fd is not None:
+            self._first_ns = arrivals.first_byte_ns(fd)
+        self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
         if self._refusing:
             return  # answered 503 already; its request is not read
-        self._read_ns = perf_counter_ns()
+        now_ns = perf_counter_ns()
+        first_ns, self._first_ns = self._first_ns, None
+        self._read_ns = now_ns if first_ns is None or first_ns > now_ns else first_ns
         if self._take_ended is not None:
             self._take_ended()
         super().data_received(data)
+        if self._in_head:
+            if self._head_timer is None:
+                self._arm_head_timer()
+        elif self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
-    # -- the native front (front.py) -----------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        """A request llhttp refuses (malformed, bare LF, smuggling attempts): uvicorn's 400 and
+        close, its body in the OpenAI error format as every other refusal here."""
+        body = orjson.dumps({"error": {"message": f"invalid HTTP request: {msg}",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": 400}})
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%b"
+                             % (len(body), body))
+        self.transport.close()
 
-    def lend(self) -> None:
-        """A stream going to the native leg may keep this connection at its end: reads pause
-        (the thread reads the next request; a disconnect is heard on its writes)."""
-        self.lending = Lending.STREAM
-        self.transport.pause_reading()
+    # -- the head timeout -----------------------------------------------------------------------
 
-    def lent_idle(self) -> None:
-        """The thread holds the connection between requests: no keep-alive timeout here."""
-        self.lending = Lending.IDLE
-        task = self.timeout_keep_alive_task
-        if task is not None:
-            task.cancel()
-            self.timeout_keep_alive_task = None
+    def _arm_head_timer(self) -> None:
+        timeout_s = self.app_state.get(HEAD_TIMEOUT)
+        if timeout_s and not self.transport.is_closing():
+            self._head_timer = self.loop.call_later(timeout_s, self._head_timed_out, timeout_s)
 
-    def from_front(self, data: bytes, arrival_ns: int, close: bool = False) -> None:
-        """The connection is the event loop's again, with the bytes the thread read of the next
-        request (`arrival_ns`: when their first came); closed if `close` (it was idle for the
-        keep-alive timeout)."""
-        was, self.lending = self.lending, Lending.NO
+    def _head_timed_out(self, timeout_s: float) -> None:
+        """A head begun (or awaited on a new connection) for the head timeout: a 408 in the
+        OpenAI error format, and the connection closed. Behind a response still under way it
+        closes after that response instead."""
+        self._head_timer = None
         transport = self.transport
-        if was is Lending.NO or transport.is_closing():
+        if transport.is_closing() or not self._in_head:
             return
-        if close:
-            transport.close()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+            self.flow.pause_reading()
             return
-        transport.resume_reading()
-        if data:
-            self._take_front(data, arrival_ns)
-        if self.shutting_down:  # as uvicorn's shutdown left it: closed if idle, else after
-            super().shutdown()
-        elif was is Lending.IDLE and not data and self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-    def adopt(self, request: bytes, adoption: Any) -> bool:
-        """Take a front's request over: its bytes go through uvicorn again, and the relay,
-        seeing `adoption`, goes on from where the thread left the stream. False when the
-        client's connection is gone."""
-        self.lending = Lending.NO
-        transport = self.transport
-        if transport.is_closing():
-            return False
-        self._adoption = adoption
-        transport.resume_reading()
-        self._take_front(request, adoption.arrival_ns)
-        if self._adoption is not None:  # uvicorn did not make it a request: nobody takes it
-            self._adoption = None
-            return False
-        if self.shutting_down:  # its connection closes after its answer
-            super().shutdown()
-        return True
-
-    def _take_front(self, data: bytes, arrival_ns: int) -> None:
-        if self._take_ended is not None:
-            self._take_ended()
-        self._read_ns = arrival_ns or perf_counter_ns()
-        super().data_received(data)
+        transport.write(_timed_out_answer(timeout_s))
+        transport.close()
 
     def on_message_begin(self) -> None:
+        self._in_head = True
         super().on_message_begin()
         ahead, cycle = self._leg, self.cycle
         if ahead is not None and cycle is not None and not cycle.response_complete:
             # Pipelined: this request waits for the one ahead's cycle to complete (uvicorn
             # queues it), so that one's end must not wait for the event loop's next wake-up.
             ahead.queued_behind()
-        leg = self._leg = ClientLeg(self._read_ns, self._plain_fd, self)
-        if self._adoption is not None:
-            leg.adoption, self._adoption = self._adoption, None
+        self._leg = ClientLeg(self._read_ns, self._plain_fd)
         # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
         self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         super().on_headers_complete()
         if self._leg is not None:
             self._leg._cycle = self.cycle
@@ -375,11 +409,12 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         begin = self.app_state.get(SHUTDOWN_HOOK)
         if callable(begin):
             begin()
-        self.shutting_down = True
-        if self.lending is Lending.NO:  # (else when the native front gives it back)
-            super().shutdown()
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         super().connection_lost(exc)
         leg = self._writing_leg()
         if leg is not None and leg.on_disconnect is not None:

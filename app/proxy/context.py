@@ -20,7 +20,6 @@ from phasewatch.proxy.upstream_pool import UpstreamPool
 
 if TYPE_CHECKING:  # imported only when switched on: it needs the `otel` extra
     from phasewatch.otel.export import OtelExport
-    from phasewatch.proxy.front import Front
 
 
 @dataclass(slots=True)
@@ -42,5 +41,4 @@ class ProxyContext:
     exemplars: bool = False  # TTFT and ITL observations carry the request's id
     otel: OtelExport | None = None  # None: OpenTelemetry is off, and none of it runs
     native: NativeRelay | None = None  # None: streams are relayed in Python alone
-    front: Front | None = None  # the native front (front.py), or None
     in_flight: int = 0

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable
-from importlib import import_module
 from itertools import repeat
 
-from phasewatch.core.quantiles import percentile
+from phasewatch.proxy._native import nearest_ranks
 
 EXACT_LIMIT = 2048
 _GAMMA = 1.02
@@ -26,23 +24,6 @@ _CENTRE = 2 * _GAMMA / (1 + _GAMMA)  # bucket k spans (g^k, g^(k+1)]; it reads a
 _ZERO = -(1 << 30)  # the bucket of zero gaps
 
 Summary = tuple[int, float | None, float | None, float | None, float | None]
-
-
-def nearest_ranks_py(values: array[float], q1: float, q2: float) -> tuple[float | None,
-                                                                         float | None]:
-    """The nearest-rank `q1` and `q2` percentiles of `values` (app/core/quantiles.py). The
-    extension's `nearest_ranks` (_native.c) gives the same without a float object per value,
-    and leaves `values` sorted; this is the reference the tests hold it to, and what runs
-    where the extension is not built."""
-    ordered = sorted(values)
-    return percentile(ordered, q1), percentile(ordered, q2)
-
-
-nearest_ranks: Callable[[array[float], float, float], tuple[float | None, float | None]]
-try:
-    nearest_ranks = import_module("phasewatch.proxy._native").nearest_ranks
-except ImportError:  # not built here
-    nearest_ranks = nearest_ranks_py
 
 
 class GapSummary:
@@ -75,7 +56,7 @@ class GapSummary:
         self._count_in_bucket(gap_s, times)
 
     def extend(self, gaps: bytes, tokens: bytes | None, total: float, largest: float) -> None:
-        """Token-carrying events, as the replay gives them (itl_replay.py): each one's gap, in
+        """Token-carrying events, as the replay gives them (csrc/itl.c): each one's gap, in
         order, as the bytes of native doubles, and the tokens each carried as the bytes of
         int64s (None: one each). What `add(gap, k)` on each in turn leaves. `total` is the
         running total that reaches, summed by the caller as `add` sums (`self.total` plus each

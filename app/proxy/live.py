@@ -53,7 +53,6 @@ from phasewatch.core.live import InFlight, LiveCounts
 from phasewatch.core.log_throttle import LogThrottle
 
 if TYPE_CHECKING:
-    from phasewatch.proxy.front import Front
     from phasewatch.proxy.native import NativeRelay
     from phasewatch.proxy.timing import StreamTiming
 
@@ -183,8 +182,6 @@ class LiveStreams:
         self.gauges_each_pass = gauges_each_pass
         # The process's native relay (set with it): names the held streams a pass must see.
         self.native: NativeRelay | None = None
-        # The native front (front.py): its requests are looked at first on every pass.
-        self.front: Front | None = None
         self._open: set[Watched] = set()
         self._held: set[Watched] = set()  # those the native leg holds (`hold`)
         # A fault in a stream's refresh, its snapshot entry or a pass recurs on every pass
@@ -218,8 +215,6 @@ class LiveStreams:
         the timeouts may end (`check`)."""
         if self.native is not None:
             self.native.take_ended()
-            if self.front is not None:
-                self.front.catch_up()
             if full:  # the endings it woke finish their records before the render
                 await asyncio.sleep(0)
         now_ns = perf_counter_ns()
@@ -274,8 +269,6 @@ class LiveStreams:
 
     def end_all(self) -> int:
         """End every open exchange now (shutting down, its grace over); return how many."""
-        if self.front is not None:
-            self.front.catch_up()
         ending = list(self._open)
         self._open.clear()
         self._held.clear()
@@ -297,8 +290,6 @@ class LiveStreams:
         first token first (the earliest sign of queueing), then the longest open. All are
         read as at `now_ns` (a stream that ends while the snapshot is taken is still in it),
         a slice at a time."""
-        if self.front is not None:
-            self.front.catch_up()
         now_ns = perf_counter_ns() if now_ns is None else now_ns
         wall_now = time.time()
         open_streams = [(e, v) for e in self._open if (v := e.live_view()) is not None]
@@ -327,7 +318,5 @@ class LiveStreams:
                 refreshed = await self.refresh()
                 now_ns = perf_counter_ns()
                 self.check(now_ns, refreshed)
-                if self.front is not None:
-                    self.front.expire(now_ns)
             except Exception:
                 self._pass_faults.exception(log, "a pass over the open streams failed")

@@ -1,23 +1,26 @@
 """The hot path: relay one inference request and time its stream as the client sees it.
 
-The request is read through ASGI and sent upstream on a pooled connection
-(`upstream_pool.py`). From then on the exchange is driven by the upstream connection's read
-callbacks: each read is timed when it arrives (one `perf_counter_ns()`), classified event by
-event for timing (`stream.py`) and, under phasewatch's own server, written straight onto the
-client's transport (`client_leg.py`): no task wake-up and no ASGI message per chunk. The
-response's head goes out from the read callback too, in the same write as the first token
-that came with it; the relay's coroutine wakes only for the request and the exchange's end.
-Under another ASGI server the same bytes go out as ASGI messages. A stream counted exactly
-from its first token goes instead to the native leg as its request is sent (native.py): its
-head, first token and the rest are relayed below Python, and Python reads the upstream's head
-(`Head`) and the stream's timing when it next looks at it.
+`relay()` reads the request through ASGI, plans it (request_plan.py) and runs one `Exchange`,
+which sends it upstream on a pooled connection (upstream_pool.py) and is driven from then on
+by that connection's read callbacks. Each read is timed as it arrives (one `perf_counter_ns()`),
+classified for timing (stream.py) and, under phasewatch's own server, written straight onto
+the client's transport (client_leg.py): no task wake-up and no ASGI message per chunk; the
+response's head goes out in the same write as the first event that came with it. Under
+another ASGI server the same bytes go out as ASGI messages.
 
-How an exchange ends is one value, `Phase`, moved in one place (`_move`): the upstream ended
-its body, the upstream broke off, the client left, or the idle timeout found it silent. The
-record is finished in `finally` and handed to a bounded queue: the relay never waits for
-storage, and nothing that goes wrong in metrics or records can break a client's stream.
-A client that leaves makes the relay close its upstream connection at once, so the engine
-aborts the request instead of generating for nobody.
+Invariants:
+- Where the exchange is, is one value (`Phase`), moved only by `_on` through the table of
+  exchange_state.py; the first ending wins. Who holds the sockets while it streams is another
+  (`Holder`): the event loop, or the native leg's thread from a chunk boundary of the body
+  until it hands the stream back (native.py), when Python goes on from that exact byte.
+- Socket ownership: the client's connection is uvicorn's, but for the response's bytes,
+  which only this exchange writes (client_leg.py); while `Holder.NATIVE`, the thread alone
+  reads the upstream and writes the client, and the event loop has both sockets paused and
+  out of its poll set.
+- The record is finished in `relay`'s `finally` and handed to a bounded queue: the relay never
+  waits for storage, and a fault in metrics or records never breaks a client's stream.
+- A client that leaves makes the exchange close its upstream connection at once, so the
+  engine aborts the request instead of generating for nobody.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from phasewatch.core.events import token_count
 from phasewatch.core.live import InFlight
 from phasewatch.core.metrics import request_exemplar
 from phasewatch.core.records import Outcome, RequestRecord
+from phasewatch.proxy._native import Stream
 from phasewatch.proxy.asgi import (
     CONTENT_LENGTH,
     NOT_FORWARDED,
@@ -58,15 +62,15 @@ from phasewatch.proxy.asgi import (
 )
 from phasewatch.proxy.client_leg import ClientLeg, client_leg
 from phasewatch.proxy.context import ProxyContext
+from phasewatch.proxy.exchange_state import ENDINGS, FORCED, Event, Phase, next_phase
 from phasewatch.proxy.finish import finish
-from phasewatch.proxy.front import Adoption, Front
 from phasewatch.proxy.live import LiveView, in_flight_view
-from phasewatch.proxy.native import Ending, Stream, replay
+from phasewatch.proxy.native import Ending, replay
 from phasewatch.proxy.request_plan import RequestPlan, plan_request
 from phasewatch.proxy.shutdown import Stage
 from phasewatch.proxy.stream import StreamFeed
 from phasewatch.proxy.timing import NS, Counting, StreamTiming
-from phasewatch.proxy.upstream_pool import ConnState, UpstreamConnection
+from phasewatch.proxy.upstream_pool import UpstreamConnection
 
 if TYPE_CHECKING:  # imported only when switched on: it needs the `otel` extra
     from phasewatch.otel.export import RequestTrace
@@ -81,44 +85,17 @@ _CUT = {Outcome.TIMEOUT: ("upstream_error", 502), Outcome.STREAM_ERROR: ("upstre
         Outcome.SHUTDOWN: ("service_unavailable", 503)}
 # Output waiting for a blocked ASGI send (other servers only) past which the upstream is paused.
 _PENDING_LIMIT = 1 << 16
+# The request headers the relay reads.
+_NAMED = frozenset({REQUEST_ID, RUN_ID, CONTENT_LENGTH})
 
 T = TypeVar("T")
 
 
-class Phase(Enum):
-    """Where an exchange is. The last four are endings; only `_move` changes the phase."""
+class Holder(Enum):
+    """Who relays an exchange's stream: whose the two sockets are."""
 
-    CONNECTING = "connecting"  # no upstream connection yet
-    WAITING = "waiting"  # the request is sent; no response head yet (queue, prefill)
-    STREAMING = "streaming"  # a 200 event stream is being forwarded
-    READING = "reading"  # a whole answer (not streamed, or an error status) is being read
-    ENDED = "ended"  # the upstream ended its body
-    BROKEN = "broken"  # the upstream connection closed or broke before the body ended
-    CLIENT_GONE = "client_gone"  # the client disconnected before it had its answer
-    IDLE_TIMEOUT = "idle_timeout"  # the upstream sent nothing for the idle timeout
-    SHUT_DOWN = "shut_down"  # phasewatch is shutting down and the grace for streams is over
-    CLIENT_STALLED = "client_stalled"  # the client stopped reading for the client stall timeout
-
-    # Members are singletons: hashed by identity in C, not by name in Python (`Enum.__hash__`),
-    # for the tests of `_ENDINGS` on every pass of the live registry.
-    __hash__ = object.__hash__
-
-
-class Head(Enum):
-    """Who reads the upstream's head and writes the client's."""
-
-    PYTHON = "python"  # the upstream connection's parser and `on_head`
-    NATIVE = "native"  # the native leg, which took the exchange as its request went out
-    TAKEN = "taken"  # the native leg wrote the client's head; Python has parsed the upstream's
-
-
-_ENDINGS = frozenset({Phase.ENDED, Phase.BROKEN, Phase.CLIENT_GONE, Phase.IDLE_TIMEOUT,
-                      Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
-# The request headers the relay reads.
-_NAMED = frozenset({REQUEST_ID, RUN_ID, CONTENT_LENGTH})
-# Endings that may find the task blocked in an ASGI send the client does not drain.
-_FORCED = frozenset({Phase.IDLE_TIMEOUT, Phase.SHUT_DOWN, Phase.CLIENT_STALLED})
-_FORCED_BY_NAME = {phase.value: phase for phase in _FORCED}
+    PYTHON = "python"  # the event loop: the upstream connection's reads, the client leg
+    NATIVE = "native"  # the native leg's thread (native.py), until it hands the stream back
 
 
 async def relay(
@@ -127,40 +104,30 @@ async def relay(
     leg = client_leg(scope)
     arrival_ns = leg.arrival_ns if leg is not None else perf_counter_ns()
     named = headers_named(scope, _NAMED)
-    # A request the native front sent upstream and gave back to this path (front.py): its
-    # timing goes on from what Python replayed of it.
-    adoption: Adoption | None = leg.adoption if leg is not None else None
-    if adoption is not None:
-        request_id, timing = adoption.request_id, adoption.timing
-    else:
-        request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
-        timing = StreamTiming(arrival_ns)
+    request_id = named.get(REQUEST_ID, b"").decode("latin-1") or new_request_id()
+    timing = StreamTiming(arrival_ns)
     # Filing a request under a benchmark run changes that run's figures: only an admin may
     # (asked only of a request that names a run).
     run_id = named.get(RUN_ID)
     if run_id is not None and not ctx.admin.allows(scope["headers"], bearer=False):
         run_id = None
-    native = ctx.native
     record = RequestRecord(
         request_id=request_id,
-        started_at=datetime.now(UTC) if adoption is None else adoption.started_at,
+        started_at=datetime.now(UTC),
         endpoint=endpoint,
         model=None,
         upstream=ctx.upstream,
         stream=False,
         outcome=Outcome.OK,
         http_status=None,
-        in_flight_at_arrival=(ctx.in_flight + (native.front_unseen if native is not None else 0)
-                              if adoption is None else adoption.in_flight),
+        in_flight_at_arrival=ctx.in_flight,
         run_id=run_id.decode("latin-1") if run_id else None,
     )
     ctx.in_flight += 1
     ctx.metrics.in_flight.inc()
-    if native is not None:
-        native.in_flight = ctx.in_flight
     request_trace = None
     try:
-        if ctx.shutdown.stage is Stage.ENDING and adoption is None:
+        if ctx.shutdown.stage is Stage.ENDING:
             record.outcome, record.http_status = Outcome.SHUTDOWN, 503
             record.error = "arrived after phasewatch's shutdown grace"
             await send_error(send, 503, "phasewatch is shutting down: retry",
@@ -173,10 +140,8 @@ async def relay(
         if ctx.otel is not None:
             request_trace = ctx.otel.begin(scope["headers"], endpoint, plan.model, plan.stream,
                                            arrival_ns)
-        sent_ns = perf_counter_ns() if adoption is None else adoption.sent_ns
-        ctx.metrics.observe_proxy_queue((sent_ns - arrival_ns) / NS)
-        await Exchange(ctx, scope, plan, record, timing, leg, request_trace,
-                       adoption).run(receive, send)
+        ctx.metrics.observe_proxy_queue((perf_counter_ns() - arrival_ns) / NS)
+        await Exchange(ctx, scope, plan, record, timing, leg, request_trace).run(receive, send)
     except ClientGone:
         record.outcome = Outcome.CANCELLED
     except BodyTooLarge as exc:
@@ -187,26 +152,23 @@ async def relay(
             timing.end_ns = perf_counter_ns()
         ctx.in_flight -= 1
         ctx.metrics.in_flight.dec()
-        if native is not None:
-            native.in_flight = ctx.in_flight
         finish(ctx, record, timing, request_trace)
 
 
 class Exchange:
-    """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)."""
+    """One request's exchange with the upstream; hears its connection's reads (UpstreamHandler)
+    and, while the native leg holds its stream, the thread's hand-back (native.py `Owner`)."""
 
-    __slots__ = ("_adoption", "_blocked_in_send", "_body", "_conn", "_ctx", "_direct",
-                 "_end_ns", "_feed", "_head", "_headers", "_leg", "_lost", "_native",
-                 "_native_tried", "_pending", "_pending_size", "_plan", "_prefix", "_record",
-                 "_replayed_ns", "_responded", "_scope", "_status", "_task", "_timing", "_trace",
-                 "_unwritten", "_wake", "client_blocked_ns", "label", "last_read_ns", "phase")
+    __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
+                 "_headers", "_holder", "_leg", "_lost", "_native", "_native_refused",
+                 "_pending", "_pending_size", "_plan", "_prefix", "_record", "_replayed_ns",
+                 "_responded", "_scope", "_status", "_task", "_timing", "_trace", "_unwritten",
+                 "_wake", "client_blocked_ns", "label", "last_read_ns", "phase")
 
     def __init__(self, ctx: ProxyContext, scope: Scope, plan: RequestPlan,
                  record: RequestRecord, timing: StreamTiming, leg: ClientLeg | None,
-                 request_trace: RequestTrace | None = None,
-                 adoption: Adoption | None = None) -> None:
+                 request_trace: RequestTrace | None = None) -> None:
         self._ctx = ctx
-        self._adoption = adoption
         self._trace = request_trace  # its span's context replaces the client's upstream
         self._scope = scope
         self._plan = plan
@@ -214,6 +176,7 @@ class Exchange:
         self._timing = timing
         self._leg = leg
         self.phase = Phase.CONNECTING
+        self._holder = Holder.PYTHON
         self.last_read_ns = timing.arrival_ns  # the last time the upstream sent anything
         # When the client stopped taking what is written to it (0: it takes it): its socket
         # buffer filled (direct writes), or an ASGI send has been waiting (other servers).
@@ -227,7 +190,7 @@ class Exchange:
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._feed: StreamFeed | None = None
-        self._pending: list[bytes] = []  # output the client has not been sent yet
+        self._pending: list[bytes] = []  # (other servers) output not sent yet
         self._pending_size = 0
         self._direct = False  # output goes straight onto the client's transport
         self._unwritten: list[bytes] = []  # (direct) this read's output, written as it ends
@@ -238,19 +201,20 @@ class Exchange:
         self._responded = False  # the upstream sent a byte of its response
         self._end_ns = 0
         self._lost = ""
-        self._native: Stream | None = None  # the native leg holds the stream (native.py)
-        self._head = Head.PYTHON
+        self._native: Stream | None = None  # while `Holder.NATIVE`
         self._replayed_ns = 0  # when the live registry last replayed the native leg's log
-        # The native leg may not take this stream (off, or it could not take it once).
-        self._native_tried = ctx.native is None
+        # The native leg could not take this stream once: it stays in Python.
+        self._native_refused = ctx.native is None
 
     # -- moving the phase -------------------------------------------------------------------
 
-    def _move(self, to: Phase) -> None:
-        self.phase = to
-        if to is not Phase.STREAMING or not self._direct:
-            # A stream started from the read callbacks (`_start_direct`) runs on them: the
-            # coroutine sleeps until its ending.
+    def _on(self, event: Event) -> None:
+        """The one place the phase moves (exchange_state.py); wakes the coroutine for it. A
+        stream started from the read callbacks (`_start_direct`) runs on them: the coroutine
+        sleeps until its ending."""
+        was = self.phase
+        self.phase = to = next_phase(was, event)
+        if to is not was and (to is not Phase.STREAMING or not self._direct):
             self._wake_up()
 
     def _wake_up(self) -> None:
@@ -268,17 +232,18 @@ class Exchange:
 
     def client_gone(self) -> None:
         """The client disconnected. After [DONE] it has its whole answer: that cancels nothing."""
-        if self.phase not in _ENDINGS and not self._answered():
-            self._move(Phase.CLIENT_GONE)
+        self._on(Event.CLIENT_LEFT_ANSWERED if self._answered() else Event.CLIENT_LEFT)
 
     def _answered(self) -> bool:
         """`[DONE]` has gone to the client, from here or from the native leg."""
         feed, native = self._feed, self._native
         return (feed is not None and feed.done) or (native is not None and native.done_ns > 0)
 
+    # -- the live registry (live.py `Watched`) --------------------------------------------------
+
     def live_view(self) -> LiveView | None:
-        """For the live gauges (live.py): a streamed request until it ends."""
-        if not self._plan.stream or self.phase in _ENDINGS:
+        """For the live gauges: a streamed request until it ends."""
+        if not self._plan.stream or self.phase in ENDINGS:
             return None
         return LiveView(self.label, self._timing.arrival_ns, self._timing.first_output_ns)
 
@@ -287,14 +252,12 @@ class Exchange:
                               self._record.in_flight_at_arrival or 0, now_ns, wall_now)
 
     def refresh(self, now_ns: int, every_ns: int) -> None:
-        """Called by the live registry: the idle and stall clocks of a stream the native leg
-        holds, brought up to date; and, when its last replay is `every_ns` or more before
-        `now_ns`, what it relayed since goes into the timing (its ITL observations)."""
+        """The idle and stall clocks of a stream the native leg holds, brought up to date; and,
+        when its last replay is `every_ns` or more before `now_ns` (or it has no first token
+        yet), what it relayed since goes into the timing."""
         stream = self._native
         if stream is None:
             return
-        # A stream the native leg took from its head is replayed on each pass until its first
-        # token: its head and TTFT reach the live gauges and the histogram a pass after them.
         if now_ns - self._replayed_ns >= every_ns or self._timing.first_output_ns is None:
             self._replayed_ns = now_ns
             self._replay(stream)
@@ -304,72 +267,69 @@ class Exchange:
             self.last_read_ns = last_read_ns
 
     def _replay(self, stream: Stream) -> None:
-        if self._head is Head.NATIVE:
-            self._take_head(stream)
         last_read_ns, blocked_ns = replay(stream, self._timing)
         if last_read_ns > self.last_read_ns:
             self.last_read_ns = last_read_ns
         self.client_blocked_ns = blocked_ns
 
     def idle_timeout(self) -> None:
-        """Called by the live registry: nothing came from the upstream for the idle timeout."""
-        self._force(Phase.IDLE_TIMEOUT)
+        """Nothing came from the upstream for the idle timeout."""
+        self._force(Event.IDLE)
 
     def client_stalled(self) -> None:
-        """Called by the live registry: the client has not read for the client stall timeout."""
-        self._force(Phase.CLIENT_STALLED)
+        """The client has not read for the client stall timeout."""
+        self._force(Event.STALL)
 
     def shut_down(self) -> None:
-        """Called at shutdown once the grace is over: end now, telling the client why."""
-        self._force(Phase.SHUT_DOWN)
+        """The shutdown grace is over: end now, telling the client why."""
+        self._force(Event.SHUTDOWN)
 
-    def _force(self, ending: Phase) -> None:
-        if self.phase in _ENDINGS:
+    def _force(self, event: Event) -> None:
+        was = self.phase
+        self._on(event)
+        if self.phase is was:
             return
-        self._move(ending)
+        native = self._native
+        if native is not None:
+            native.stop()  # the thread hands the stream back; the ending applies then
         if self._blocked_in_send and self._task is not None:
             self._task.cancel()  # (other servers) a send the client will never drain
 
     # -- UpstreamHandler: called from the upstream connection's read callbacks ----------------
 
     def on_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        native_wrote_it = self._head is Head.TAKEN
-        if self.phase is not Phase.WAITING and not native_wrote_it:
-            return
         self.last_read_ns = perf_counter_ns()
         self._responded = True
+        streamed = status == 200 and _content_type(headers).startswith(b"text/event-stream")
+        if self.phase is not Phase.WAITING:
+            self._on(Event.HEAD_STREAM if streamed else Event.HEAD_WHOLE)  # ended: it stays
+            return
         self._status, self._headers = status, headers
-        if native_wrote_it or (status == 200
-                               and _content_type(headers).startswith(b"text/event-stream")):
-            ctx, timing = self._ctx, self._timing
-            # Served: the model earns its label. TTFT and ITL are observed as they arrive.
-            self.label = ctx.labels.label(self._plan.model, True)
-            bound = ctx.metrics.bind(self.label, self._record.endpoint)
-            timing.observe_ttft, timing.observe_itl = bound.observe_ttft, bound.observe_itl
-            timing.observe_itl_counts = bound.observe_itl_counts
-            timing.itl_bounds = bound.itl_bounds
-            if ctx.exemplars:
-                trace = self._trace
-                timing.exemplar = request_exemplar(
-                    self._record.request_id, trace.trace_id if trace is not None else None)
-            self._feed = StreamFeed(self._plan, self._record, timing)
-            self._start_direct()
-            if self.phase is Phase.WAITING:  # (a forced ending may have come first: it stays)
-                self._move(Phase.STREAMING)
-        else:
-            self._move(Phase.READING)
+        if not streamed:
+            self._on(Event.HEAD_WHOLE)
+            return
+        ctx, timing = self._ctx, self._timing
+        # Served: the model earns its label. TTFT and ITL are observed as they arrive.
+        self.label = ctx.labels.label(self._plan.model, True)
+        bound = ctx.metrics.bind(self.label, self._record.endpoint)
+        timing.observe_ttft, timing.observe_itl = bound.observe_ttft, bound.observe_itl
+        timing.observe_itl_counts = bound.observe_itl_counts
+        timing.itl_bounds = bound.itl_bounds
+        if ctx.exemplars:
+            trace = self._trace
+            timing.exemplar = request_exemplar(
+                self._record.request_id, trace.trace_id if trace is not None else None)
+        self._feed = StreamFeed(self._plan, self._record, timing)
+        self._start_direct()
+        self._on(Event.HEAD_STREAM)
 
     def _start_direct(self) -> None:
         """Under phasewatch's own server, start the client's response from this read callback:
-        its head goes out with this read's output (vLLM sends the first token with its head),
+        its head goes out with this read's output (vLLM sends the first event with its head),
         in one write, with no wake-up of the coroutine before it. Elsewhere, or if the client
         leg cannot start it, the coroutine starts it over ASGI (`_stream`)."""
         leg = self._leg
         if leg is None:
-            return
-        if self._head is Head.TAKEN:  # the native leg wrote the head
-            if leg.start_chunked(200):
-                self._write_directly(leg)
             return
         headers = client_response_headers(self._headers, self._record.request_id, None)
         head = leg.begin_chunked(200, headers)
@@ -408,128 +368,78 @@ class Exchange:
         self._pending_size += len(out)
         if self._pending_size > _PENDING_LIMIT and self._conn is not None:
             self._conn.pause_reading()
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        self._wake_up()
 
     def on_read_end(self) -> None:
         """The read is parsed: what it produced goes out in one write (with the response's head
-        in the read that brought it), and then the native leg may take the stream."""
+        in the read that brought it); then the native leg may take the stream."""
         out, prefix, feed = self._unwritten, self._prefix, self._feed
         # The body ended cleanly in this read: the response's end goes out with what it
         # brought (if anything), and the coroutine has only the record left to finish.
         last = (self._direct and self.phase is Phase.ENDED and feed is not None
                 and feed.ended_whole)
-        if not out and not prefix and not last:
-            return
-        self._unwritten, self._prefix = [], b""
-        assert self._leg is not None
-        self._leg.write_chunks(out, prefix, last)
+        if out or prefix or last:
+            self._unwritten, self._prefix = [], b""
+            assert self._leg is not None
+            self._leg.write_chunks(out, prefix, last)
         if not last:
             self._offer_native()
 
-    def _offer_native(self) -> None:
-        """Hand the stream to the native leg if it counts exactly, nothing is held or half-read,
-        and the upstream's parser stands between chunks."""
-        feed, conn = self._feed, self._conn
-        if (not self._native_tried and self._timing.counting is Counting.EXACT
-                and feed is not None and feed.between_events and conn is not None
-                and conn.between_chunks()):
-            self._go_native()
+    def on_end(self, now_ns: int) -> None:
+        if self.phase in (Phase.STREAMING, Phase.READING):
+            self._end_ns = now_ns
+        self._on(Event.BODY_END)
 
-    def _go_native(self) -> None:
-        """Hand the stream to the native leg if nothing is waiting to be written to the
-        client."""
-        leg, conn, native = self._leg, self._conn, self._ctx.native
-        if (self.phase is not Phase.STREAMING or leg is None or leg.paused or conn is None
-                or conn.transport is None or native is None or self._native is not None):
+    def on_lost(self, reason: str, responded: bool) -> None:
+        if self.phase not in ENDINGS:
+            self._lost = reason
+            self._responded = self._responded or responded
+        self._on(Event.LOST)
+
+    # -- the native leg ---------------------------------------------------------------------
+
+    def _offer_native(self) -> None:
+        """Hand the stream to the native leg, if it can go on exactly where Python stands: the
+        stream counts its tokens exactly (or will from its first, `pending`), nothing is held
+        or half-read, the upstream's parser stands between chunks, and nothing waits to be
+        written to the client."""
+        native = self._ctx.native
+        if (native is None or self._native_refused or self._holder is Holder.NATIVE
+                or self.phase is not Phase.STREAMING):
+            return
+        plan, counting = self._plan, self._timing.counting
+        pending = counting is Counting.PENDING
+        if not (counting is Counting.EXACT
+                or (pending and plan.running_usage and plan.single_choice)):
+            return
+        feed, conn, leg = self._feed, self._conn, self._leg
+        if (feed is None or not feed.between_events or conn is None or leg is None
+                or not conn.between_chunks()):
             return
         if conn.plain_fd is None or leg.plain_fd is None:  # TLS on a side: it stays in Python
-            self._native_tried = True
+            self._native_refused = True
             return
-        client = leg.transport
-        if client is None or client.get_write_buffer_size():
-            return
-        conn.pause_reading()
-        plan = self._plan
-        stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
-                              plan.strip_final_usage, self)
-        if stream is None:
-            self._native_tried = True
-            conn.resume_reading()
-            return
-        self._held(stream, leg)
-
-    def _start_native_at_head(self) -> None:
-        """Hand the exchange to the native leg as its request goes out, when its stream can be
-        counted exactly from the first token: the thread reads the upstream's head, writes the
-        client's with the first token, and relays on (native.py). Python then wakes for the
-        exchange's end alone, unless the thread gives it back."""
-        leg, conn, native, plan = self._leg, self._conn, self._ctx.native, self._plan
-        if (native is None or self._native_tried or leg is None or conn is None
-                or conn.plain_fd is None or leg.plain_fd is None or leg.paused
-                or not (plan.stream and plan.single_choice and plan.running_usage)):
-            return
-        parts = leg.head_parts()
-        client = leg.transport
-        if parts is None or client is None or client.get_write_buffer_size():
+        if not leg.can_lend():
             return
         conn.pause_reading()
-        prefix, end = parts
-        request_id = b"x-request-id: %b\r\n" % self._record.request_id.encode("latin-1")
-        front = self._ctx.front
-        keep = leg.front = front.keep(leg, conn) if front is not None else None
+        leg.lend(self._ctx.pool.poll_set)
         stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
-                              plan.strip_final_usage, self, (prefix, request_id, end), keep)
-        if stream is None and keep is not None:
-            Front.not_kept(leg)
+                              plan.strip_final_usage, pending, leg.followed, self)
         if stream is None:
-            self._native_tried = True
+            self._native_refused = True
+            leg.reclaim()
             conn.resume_reading()
             return
-        self._head = Head.NATIVE
-        self._held(stream, leg)
-
-    def _held(self, stream: Stream, leg: ClientLeg) -> None:
-        """The native leg holds the stream from here."""
-        self._native = stream
+        self._native, self._holder = stream, Holder.NATIVE
         self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
         self._ctx.live.hold(self)
         self._ctx.metrics.native_streams.inc()
-        leg.on_followed = self._followed
-        if leg.followed:
-            stream.urge()
-
-    def _followed(self) -> None:
-        """A request is queued behind this one on the client's connection: the native leg
-        hands the stream's end back at once, not on the event loop's next wake-up, for that
-        request to start (native.py)."""
-        native = self._native
-        if native is not None:
-            native.urge()
-
-    def _take_head(self, stream: Stream) -> None:
-        """The native leg wrote the client's head (if `stream.head` is there): the upstream's
-        goes through the connection's parser as a read, so that the parser stands at the body
-        and `on_head` sets what it sets (it writes nothing). On a connection already closed
-        `on_head` is told directly: the client has the head, so the exchange ends in-band."""
-        head = stream.head
-        if head is None:
-            return
-        self._head = Head.TAKEN
-        conn = self._conn
-        if conn is not None and conn.state is ConnState.BUSY:
-            conn.take(head, stream.head_ns)
-        if not self._status:
-            self.on_head(200, [])
 
     def native_returned(self, stream: Stream) -> None:
         """The native leg handed the stream back: go on from the byte it stopped at."""
-        self._native = None
+        self._native, self._holder = None, Holder.PYTHON
         self._ctx.live.release(self)
         self._replay(stream)
-        if self._head is Head.NATIVE:  # it gave the head back unread: Python reads it
-            self._head = Head.PYTHON
         leg, conn, feed = self._leg, self._conn, self._feed
         done_ns = stream.done_ns
         if done_ns and feed is not None and not feed.done:
@@ -537,34 +447,23 @@ class Exchange:
             # it from that read on (as `on_body` has it).
             feed.done = True
             self._timing.end_ns = done_ns
+        if leg is not None:
+            leg.reclaim()  # the server reads the client again (a hang-up, a next request)
         ending = stream.ending
         if ending == Ending.ENDED and conn is not None:
-            # The body ended cleanly in the native leg's last read. The thread wrote what that
-            # read brought and the response's end (`end_written`): the response is complete,
-            # but for what the client's socket did not take, which goes out first. (Without
-            # the end, what that read brought goes out with it, in one write, below.) Then the
-            # upstream's parser hears the end the native leg read for it (`on_end`, and
-            # `on_read_end`, which has nothing left to write once the response is complete).
-            lent = False
-            if stream.kept and leg is not None:
-                lent = True
-                Front.kept(leg)
+            # The body ended cleanly in the thread's last read, and it wrote that read's output
+            # and the response's end (`end_written`): the response is complete but for what
+            # the client's socket did not take (`unsent`), which goes out first. (Without the
+            # end, that read's output goes out with it, in one write, below.) Then the
+            # upstream's parser hears the end the thread read for it.
+            conn.resume_reading()  # for its next response: it goes back to the pool
+            if stream.end_written and leg is not None:
+                leg.end_written(stream.unsent)
             else:
-                if leg is not None and leg.front is not None:
-                    Front.not_kept(leg)
-                conn.resume_reading()  # for its next response: it goes back to the pool
-                if stream.end_written and leg is not None:
-                    leg.end_written(stream.unsent)
-                else:
-                    self._prefix = stream.unsent
+                self._prefix = stream.unsent
             conn.take(_LAST_CHUNK, stream.leftover_ns)
-            if lent:  # the upstream connection stays with the native thread (front.py)
-                self._conn = None
-                conn.lend()
             self._wake_up()
             return
-        if leg is not None and leg.front is not None:
-            Front.not_kept(leg)
         unsent, blocked_ns = stream.unsent, self.client_blocked_ns
         if unsent and leg is not None:
             leg.write_raw(unsent)  # may fill the client's buffer: `_client_blocked`
@@ -573,33 +472,19 @@ class Exchange:
         if ending == Ending.CLIENT_ERROR:
             self.client_gone()
         if conn is not None:
-            if ending == Ending.UPSTREAM_ERROR:
-                conn.broke(OSError(stream.errno, os.strerror(stream.errno)))
-            else:
+            if ending != Ending.UPSTREAM_ERROR and (leg is None or not leg.paused):
                 # Reading resumes before the leftover is parsed: parsing it may hand the stream
                 # to the native leg again, which pauses reading again.
-                if leg is None or not leg.paused:
-                    conn.resume_reading()
-                leftover = stream.leftover
-                if leftover:
-                    held = stream.held  # a terminal chunk held, read before the rest
-                    if held:
-                        conn.take(leftover[:held], stream.held_ns)
-                        leftover = leftover[held:]
-                    if leftover:
-                        conn.take(leftover, stream.leftover_ns)
+                conn.resume_reading()
+            leftover, held = stream.leftover, stream.held
+            if leftover and held:  # a terminal chunk held, read before the rest
+                conn.take(leftover[:held], stream.held_ns)
+                leftover = leftover[held:]
+            if leftover:
+                conn.take(leftover, stream.leftover_ns)
+            if ending == Ending.UPSTREAM_ERROR:  # what it read before the fault went out first
+                conn.broke(OSError(stream.errno, os.strerror(stream.errno)))
         self._wake_up()
-
-    def on_end(self, now_ns: int) -> None:
-        if self.phase in (Phase.STREAMING, Phase.READING):
-            self._end_ns = now_ns
-            self._move(Phase.ENDED)
-
-    def on_lost(self, reason: str, responded: bool) -> None:
-        if self.phase not in _ENDINGS:
-            self._lost = reason
-            self._responded = self._responded or responded
-            self._move(Phase.BROKEN)
 
     # -- the coroutine ----------------------------------------------------------------------
 
@@ -633,7 +518,7 @@ class Exchange:
             if conn is not None:
                 # Only a connection whose response ended cleanly is reused; closing any other
                 # is what tells the engine to abort the request.
-                conn.finish(reusable=self.phase is Phase.ENDED)
+                conn.finish(reusable=self.phase is Phase.ENDED and self._native is None)
 
     async def _watch_disconnect(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -657,22 +542,8 @@ class Exchange:
             headers.extend(trace.upstream_headers)
         headers.append((REQUEST_ID, record.request_id.encode("latin-1")))
         request = ctx.pool.request(b"POST", target, headers, self._plan.body)
-        conn: UpstreamConnection | None
         for attempt in range(2):
-            adoption, self._adoption = self._adoption, None
-            if adoption is not None:
-                # The native front sent this request on its kept connection and relayed what
-                # it could: go on from where it left the stream, as from this exchange's own
-                # native leg. An ending the live registry gave it comes next.
-                conn = self._conn = adoption.conn
-                self._move(Phase.WAITING)
-                conn.adopt(self)
-                self._native, self._head = adoption.stream, Head.NATIVE
-                self.native_returned(adoption.stream)
-                if adoption.forced is not None:
-                    self._force(_FORCED_BY_NAME[adoption.forced])
-            else:
-                conn = ctx.pool.take_idle()
+            conn = ctx.pool.take_idle()
             if conn is None:
                 try:
                     conn = await self._unless_ended(ctx.pool.connect())
@@ -684,21 +555,19 @@ class Exchange:
                                               f"upstream unreachable: {type(exc).__name__}")
                 if conn is None:
                     return await self._ended_before_head(send)
-            if adoption is None:
-                self._conn = conn
-                self._move(Phase.WAITING)
-                conn.send(self, request)
-                self._start_native_at_head()
+            self._conn = conn
+            self._on(Event.SENT)
+            conn.send(self, request)
             while self.phase is Phase.WAITING:
                 await self._next()
-            while self._native is not None and self.phase in _ENDINGS:
-                self._native.stop()  # ended while the native leg held it: take it back first
+            while self._native is not None and self.phase in ENDINGS:
+                self._native.stop()  # ended while the native leg had it: take it back first
                 await self._next()
             if self.phase is Phase.BROKEN and not self._responded and conn.reused and not attempt:
                 # The upstream closed this kept-alive connection as we reused it: once more.
                 self._conn = None
                 conn.close()
-                self._move(Phase.CONNECTING)
+                self._on(Event.RETRY)
                 continue
             break
         if self._status:  # the head arrived (the body may have ended with it already)
@@ -781,7 +650,7 @@ class Exchange:
         await send_full(send, self._status, headers, body)
 
     async def _stream(self, send: Send) -> None:
-        record, timing, feed, leg = self._record, self._timing, self._feed, self._leg
+        record, feed, leg = self._record, self._feed, self._leg
         assert feed is not None
         record.http_status = 200
         if leg is None or not leg.response_started:  # else started from a read (_start_direct)
@@ -808,30 +677,14 @@ class Exchange:
                 self._native.stop()
                 await self._next()
         except asyncio.CancelledError:
-            if self.phase not in _FORCED or self._task is None:
+            if self.phase not in FORCED or self._task is None:
                 raise
-            self._task.uncancel()  # a forced ending cut a send the client would never drain
+            # (other servers) a forced ending cut a send the client would never drain
+            self._task.uncancel()
         finally:
             if leg is not None:
                 leg.on_pause = leg.on_resume = None
-        # (A stream the native leg held was blocked in the thread, whose unsent bytes may have
-        # fitted the transport's buffer since: the ending itself says the client stalled.)
-        client_stalled = (self.phase is Phase.CLIENT_STALLED or self._blocked_in_send
-                          or (leg is not None and leg.paused))
-        if self.phase in _FORCED and client_stalled:
-            # The client is not reading (at an idle timeout, that was the silence: back-pressure
-            # from it). Another send would block the same way: end without one (the server
-            # closes the connection of a response left incomplete).
-            if self.phase is Phase.SHUT_DOWN:
-                record.outcome = Outcome.SHUTDOWN
-                record.error = "phasewatch shut down while the client was not reading"
-            elif self.phase is Phase.CLIENT_STALLED:
-                record.outcome = Outcome.CANCELLED
-                record.error = "client stopped reading past the client stall timeout"
-            else:
-                record.outcome = Outcome.CANCELLED
-                record.error = "client stopped reading past the idle timeout"
-            timing.end_ns = perf_counter_ns()
+        if self._forced_while_stalled():
             return
         if self.phase is Phase.CLIENT_GONE:
             record.outcome = Outcome.CANCELLED
@@ -846,24 +699,51 @@ class Exchange:
             elif self.phase is Phase.SHUT_DOWN:
                 record.outcome = Outcome.SHUTDOWN
                 record.error = "phasewatch shut down before the stream ended"
+        tail = self._stream_tail()
+        if leg is not None and leg.response_complete:
+            return  # ended with the last read (`on_read_end`): nothing held, nothing to add
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    def _forced_while_stalled(self) -> bool:
+        """A forced ending found the client not reading (at an idle timeout, that silence was
+        back-pressure from it): another send would block the same way, so the exchange ends
+        without one (the server closes the connection of a response left incomplete)."""
+        leg, record = self._leg, self._record
+        client_stalled = (self.phase is Phase.CLIENT_STALLED or self._blocked_in_send
+                          or (leg is not None and leg.paused))
+        if self.phase not in FORCED or not client_stalled:
+            return False
+        if self.phase is Phase.SHUT_DOWN:
+            record.outcome = Outcome.SHUTDOWN
+            record.error = "phasewatch shut down while the client was not reading"
+        elif self.phase is Phase.CLIENT_STALLED:
+            record.outcome = Outcome.CANCELLED
+            record.error = "client stopped reading past the client stall timeout"
+        else:
+            record.outcome = Outcome.CANCELLED
+            record.error = "client stopped reading past the idle timeout"
+        self._timing.end_ns = perf_counter_ns()
+        return True
+
+    def _stream_tail(self) -> bytes:
+        """What the client is still owed once the stream ended: what the feed held, and, for a
+        stream cut before [DONE], an in-band error and [DONE], as vLLM sends errors."""
+        record, timing, feed = self._record, self._timing, self._feed
+        assert feed is not None
         end_ns = timing.end_ns or (self._end_ns if self.phase is Phase.ENDED
                                    else perf_counter_ns())
         timing.end_ns = end_ns
         rest = feed.end(end_ns)
-        tail = b""
         if not feed.done and record.outcome is Outcome.OK:
             record.outcome = Outcome.STREAM_ERROR
             record.error = "upstream closed the stream before [DONE]"
-        if record.outcome in _CUT and not feed.done:
-            # Never leave the client hanging on a broken stream: say why, in-band, as vLLM does.
-            kind, code = _CUT[record.outcome]
-            error = error_body(f"phasewatch: {record.error}", kind, code)
-            # End a half-sent event first, so the error is an event of its own.
-            tail = ((b"\n\n" if feed.unterminated else b"")
-                    + b"data: " + error + b"\n\n" + _DONE_EVENT)
-        if leg is not None and leg.response_complete:
-            return  # ended with the last read (`on_read_end`): nothing held, nothing to add
-        await send({"type": "http.response.body", "body": rest + tail, "more_body": False})
+        if record.outcome not in _CUT or feed.done:
+            return rest
+        kind, code = _CUT[record.outcome]
+        error = error_body(f"phasewatch: {record.error}", kind, code)
+        # End a half-sent event first, so the error is an event of its own.
+        return (rest + (b"\n\n" if feed.unterminated else b"")
+                + b"data: " + error + b"\n\n" + _DONE_EVENT)
 
     def _client_blocked(self) -> None:
         """The client's socket buffer is full: stop reading from the upstream (back-pressure

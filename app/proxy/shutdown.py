@@ -23,12 +23,9 @@ import threading
 from collections.abc import Callable
 from enum import Enum
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from phasewatch.proxy.live import LiveStreams
-
-if TYPE_CHECKING:
-    from phasewatch.proxy.front import Front
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +46,12 @@ class Shutdown:
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._previous: dict[int, Any] = {}
-        self.front: Front | None = None  # the native front: it stops taking requests at once
 
     def begin(self) -> None:
         """Start draining (idempotent): the grace starts now."""
         if self.stage is not Stage.SERVING:
             return
         self.stage = Stage.DRAINING
-        if self.front is not None:
-            self.front.stop()
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self.grace_s, self.end_streams)
         log.info("shutting down: %d open stream(s) have %.0f s to end", len(self.live),

@@ -20,30 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import orjson
-
 from phasewatch.core.events import (
-    USAGE_KEY,
     EventInfo,
     Kind,
     add_fingerprint,
     classify,
-    cut_usage,
     strip_usage,
     system_fingerprint,
-    token_count,
-    usage_span,
 )
 from phasewatch.core.records import Outcome, RequestRecord
 from phasewatch.core.sse import SSEDecoder, event_data
+from phasewatch.proxy._native import token_event
 from phasewatch.proxy.request_plan import RequestPlan
 from phasewatch.proxy.timing import Counting, StreamTiming
 
 _COMMENT = EventInfo(Kind.OTHER)
-_OPEN_CHOICE = b'"choices":[{'
-_ERROR_KEY = b'"error":'
-_FINISH_KEY = b'"finish_reason":'
-_NOT_FINISHED = b'"finish_reason":null'
 
 
 class StreamFeed:
@@ -108,33 +99,21 @@ class StreamFeed:
         stream, read from its bytes; None (nothing done) when it is not plainly one.
 
         Once a stream counts exactly, its time goes on its running usage alone (timing.py), so
-        a chunk needs no full parse: what `classify` would find is read off the compact JSON
-        vLLM writes. One choice with `"finish_reason":null` (so no terminal chunk to hold),
-        no `error` key, and a compact `"usage":{...}` object, which alone is parsed. Those byte
-        patterns cannot occur inside a JSON string, where every quote is escaped. Anything
-        else (the role chunk, a terminal chunk, the closing usage chunk, an error, spaced
-        JSON) takes the general path, which this one agrees with wherever both apply.
+        such a chunk needs no full parse: the native leg's reader (`token_event`, csrc/scan.c)
+        says whether it is one (one choice, `"finish_reason":null`, no `error`, a compact
+        `usage` object) and reads its counts; the native leg takes the same chunks by the same
+        test. Anything else (the role chunk, a terminal chunk, the usage chunk, an error,
+        spaced JSON) takes the general path, which agrees with it wherever both apply.
         """
-        if (not data.startswith(b'data: {"') or not data.endswith(b'}\n\n')
-                or _OPEN_CHOICE not in data or _ERROR_KEY in data
-                or data.count(_FINISH_KEY) != 1 or _NOT_FINISHED not in data):
+        read = token_event(data)
+        if read is None:
             return None
-        span = usage_span(data)
-        if span is None:
-            return None
-        start, end = span
-        try:
-            usage = orjson.loads(data[start + len(USAGE_KEY) - 1:end + 1])
-        except orjson.JSONDecodeError:
-            return None
-        completion = token_count(usage.get("completion_tokens"))
-        if completion is None:
-            return None
+        completion, prompt, cut_from, cut_to = read
         timing = self._timing
         timing.completion_tokens = completion
-        timing.prompt_tokens = token_count(usage.get("prompt_tokens"))
+        timing.prompt_tokens = prompt
         timing.event(now, completion, 0)
-        return cut_usage(data, start, end) if self._strip_chunk else data
+        return data[:cut_from] + data[cut_to:] if self._strip_chunk else data
 
     def _rewrite(self, events: Iterable[tuple[bytes, EventInfo]]) -> bytes:
         """The bytes to forward for these timed events, with usage the client did not ask for

@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import logging
 from array import array
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from enum import Enum
 
 from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.metrics import Exemplar, Observe, ObserveCounts
+from phasewatch.proxy._native import replay_exact
 from phasewatch.proxy.gap_summary import GapSummary, Summary
-from phasewatch.proxy.itl_replay import replay_exact
 
 log = logging.getLogger(__name__)
 # A metrics fault would recur on every token of every stream: logged once a minute.
@@ -112,12 +111,8 @@ class StreamTiming:
         if self.counting is Counting.EXACT:
             if cumulative is None:
                 return  # its tokens are counted at the next event with usage
-            tokens = cumulative - self.tokens_seen
-            if tokens <= 0:
-                return
-            last, self.last_output_ns, self.tokens_seen = self.last_output_ns, now_ns, cumulative
-            assert last is not None
-            self._itl((now_ns - last) / NS / tokens, tokens)
+            self.tokens_seen, self.last_output_ns = self._observe(
+                array("q", (now_ns, cumulative, -1)), self.tokens_seen, self.last_output_ns)
         elif self.counting is Counting.PENDING:
             self._first(now_ns, cumulative, chars)
         else:
@@ -131,18 +126,16 @@ class StreamTiming:
                 chars_of.append(chars)
             else:
                 self.overflow += 1
-                self._itl((now_ns - last) / NS, 1)
+                self._observe_gaps([now_ns - last], [1])
 
     def exact_events(self, logged: array[int] | memoryview) -> None:
         """Events of an exactly counted stream as (read time, completion tokens, prompt tokens
         or -1) triples (the native leg's log, native.py; int64s, as an array or a memoryview
-        cast to them): what `event()` on
-        each in turn with its usage would do, in one pass (itl_replay.py): the ITL samples
-        observed together as counts per bucket, the exemplar set where `_itl` would have set
-        it last."""
+        cast to them): what `event()` on each in turn with its usage would do, in one pass: the
+        ITL samples observed together as counts per bucket."""
         if self.counting is Counting.PENDING:
-            # Taken from the head (native.py): the first events, up to the first token, one by
-            # one as `event()` has them; the rest, counted exactly, in one pass below.
+            # Taken before its first token (native.py): the first events, up to the first
+            # token, one by one as `event()` has them; the rest, counted exactly, in one pass.
             i = 0
             while i < len(logged) and self.counting is Counting.PENDING:
                 self.completion_tokens = logged[i + 1]
@@ -158,20 +151,54 @@ class StreamTiming:
             return
         if not logged:
             return
-        gaps, exemplar = self.gaps, self.exemplar
-        assert self.last_output_ns is not None
-        event_gaps, tokens, counts, sample_sum, marked, seen, last, total, largest = replay_exact(
-            logged, self.tokens_seen, self.last_output_ns, gaps.largest, gaps.total,
-            self.itl_bounds, exemplar is not None)
-        gaps.extend(event_gaps, tokens, total, largest)
-        self.tokens_seen, self.last_output_ns = seen, last
+        self.tokens_seen, self.last_output_ns = self._observe(
+            logged, self.tokens_seen, self.last_output_ns)
         self.completion_tokens = logged[-2]
         self.prompt_tokens = logged[-1] if logged[-1] >= 0 else None
-        if counts is not None:
-            try:
+
+    def _observe(self, events: array[int] | memoryview, seen: int,
+                 last: int | None) -> tuple[int, int]:
+        """The token gaps of `events` (triples) after a running count of `seen` that last rose
+        at `last`, by the one ITL arithmetic (csrc/itl.c): into the stream's gaps and the ITL
+        histogram, the exemplar with each gap that is the stream's largest so far. Returns the
+        running count and the time it last rose."""
+        assert last is not None
+        gaps, exemplar = self.gaps, self.exemplar
+        largest_before = gaps.largest
+        event_gaps, tokens, counts, sample_sum, marked, seen, last, total, largest = (
+            replay_exact(events, seen, last, largest_before, gaps.total, self.itl_bounds,
+                         exemplar is not None))
+        gaps.extend(event_gaps, tokens, total, largest)
+        try:
+            if counts is not None:
                 self.observe_itl_counts(counts, sample_sum, marked, exemplar)
-            except Exception:  # metrics must never break a stream
-                _OBSERVE_FAULTS.exception(log, "could not observe an ITL")
+            elif not self.itl_bounds and event_gaps:
+                # No histogram bound (its bounds unset): one call per token, to whatever
+                # listens; a gap that is the stream's largest yet carries the exemplar.
+                self._observe_each(event_gaps, tokens, largest_before)
+        except Exception:  # metrics must never break a stream
+            _OBSERVE_FAULTS.exception(log, "could not observe an ITL")
+        return seen, last
+
+    def _observe_each(self, event_gaps: bytes, tokens: bytes | None, largest: float) -> None:
+        runs = memoryview(tokens).cast("q") if tokens is not None else None
+        for i, gap in enumerate(memoryview(event_gaps).cast("d")):
+            marked = self.exemplar if gap > largest else None
+            largest = max(largest, gap)
+            self.observe_itl(gap, marked)
+            for _ in range((1 if runs is None else runs[i]) - 1):
+                self.observe_itl(gap, None)
+
+    def _observe_gaps(self, gaps_ns: list[int] | array[int], tokens: list[int]) -> None:
+        """Gaps known apart from any count (estimated counting): each of `gaps_ns[i]` spread
+        over `tokens[i]` tokens, by the same arithmetic as running counts (`_observe`)."""
+        events = array("q")
+        elapsed = count = 0
+        for gap_ns, k in zip(gaps_ns, tokens, strict=True):
+            elapsed += gap_ns
+            count += k
+            events.extend((elapsed, count, -1))
+        self._observe(events, 0, 0)
 
     def _first(self, now_ns: int, cumulative: int | None, chars: int) -> None:
         if cumulative is not None and self.single_choice:
@@ -190,25 +217,6 @@ class StreamTiming:
         except Exception:  # metrics must never break a stream
             _OBSERVE_FAULTS.exception(log, "could not observe a TTFT")
 
-    def _itl(self, gap_s: float, tokens: int) -> None:
-        gaps = self.gaps
-        exemplar = self.exemplar if gap_s > gaps.largest else None
-        gaps.add(gap_s, tokens)
-        try:
-            if tokens > 1 and self.itl_bounds:
-                # k samples of one gap in one call, as the replay observes them: no call per
-                # token of a count the upstream sent.
-                bucket = bisect_left(self.itl_bounds, gap_s)
-                self.observe_itl_counts([(bucket, tokens)], gap_s * tokens, [(bucket, gap_s)],
-                                        exemplar)
-                return
-            self.observe_itl(gap_s, exemplar)
-            # No histogram bound (its bounds unset): one call per token, to whatever listens.
-            for _ in range(tokens - 1):
-                self.observe_itl(gap_s, None)
-        except Exception:  # metrics must never break a stream
-            _OBSERVE_FAULTS.exception(log, "could not observe an ITL")
-
     def settle(self) -> None:
         """The stream has ended: apportion what waited for the final usage (estimated only)."""
         gaps, chars_of = self.pending_gaps, self.pending_chars
@@ -222,8 +230,8 @@ class StreamTiming:
             tokens = [1] * events
         else:
             tokens = _spread(share, [self.first_chars, *chars_of])
-        for gap_ns, k in zip(gaps, tokens[1:], strict=True):
-            self._itl(gap_ns / NS / k, k)
+        if gaps:
+            self._observe_gaps(gaps, tokens[1:])
 
     @property
     def tokens_exact(self) -> bool:

@@ -24,13 +24,14 @@ from phasewatch.core.log_throttle import LogThrottle
 from phasewatch.core.metrics import ProxyMetrics
 from phasewatch.core.quantiles import percentile
 from phasewatch.core.records import Outcome, RequestRecord
-from phasewatch.proxy import gap_summary, itl_replay
+from phasewatch.proxy import _native, gap_summary
 from phasewatch.proxy import timing as timing_module
 from phasewatch.proxy.gap_summary import GapSummary
 from phasewatch.proxy.labels import _CONTROL, model_name
 from phasewatch.proxy.request_plan import plan_request
 from phasewatch.proxy.stream import StreamFeed
 from phasewatch.proxy.timing import NS, PENDING_LIMIT, Exemplar, StreamTiming, figures
+from tests.support import itl_oracle
 
 MS = 1_000_000
 
@@ -312,9 +313,8 @@ def test_exemplars_go_with_the_ttft_and_each_new_largest_gap_only() -> None:
     assert len(quiet) == 2 and quiet.exemplars == []
 
 
-REPLAYS = [pytest.param(itl_replay.replay_py, id="python")]
-if itl_replay.replay_exact is not itl_replay.replay_py:
-    REPLAYS.append(pytest.param(itl_replay.replay_exact, id="extension"))
+REPLAYS = [pytest.param(itl_oracle.replay_py, id="python-oracle"),
+           pytest.param(_native.replay_exact, id="extension")]
 
 
 @pytest.mark.parametrize("replay", REPLAYS)
@@ -406,8 +406,6 @@ def test_gap_summary_nearest_rank_while_exact() -> None:
     assert GapSummary().summary() == (0, None, None, None, None)
 
 
-@pytest.mark.skipif(gap_summary.nearest_ranks is gap_summary.nearest_ranks_py,
-                    reason="the native extension is not built here")
 def test_the_extensions_nearest_ranks_are_the_python_percentiles() -> None:
     """`nearest_ranks` (C) gives what `percentile(sorted(...))` gives, for every size up to the
     exact limit, with ties and zero gaps, added between two summaries (the array stays
@@ -420,13 +418,13 @@ def test_the_extensions_nearest_ranks_are_the_python_percentiles() -> None:
             gaps.add(value)
             if i == n // 2 or i == n - 1:  # a summary midway, then more gaps, then another
                 seen = array("d", values[: i + 1])
-                expected = gap_summary.nearest_ranks_py(seen, 0.5, 0.95)
+                expected = itl_oracle.nearest_ranks_py(seen, 0.5, 0.95)
                 assert gap_summary.nearest_ranks(array("d", seen), 0.5, 0.95) == expected
                 assert gaps.summary()[2:4] == expected
         assert gaps.exact
         for q1, q2 in [(0.0, 1.0), (0.01, 0.99), (0.5, 0.95)]:
             assert gap_summary.nearest_ranks(array("d", values), q1, q2) == \
-                gap_summary.nearest_ranks_py(array("d", values), q1, q2)
+                itl_oracle.nearest_ranks_py(array("d", values), q1, q2)
     with pytest.raises(TypeError):
         gap_summary.nearest_ranks(b"\0" * 8, 0.5, 0.95)  # read-only: not sorted in place
 
@@ -510,8 +508,6 @@ def test_plan_leaves_non_streaming_and_non_json_bodies_alone() -> None:
     assert plan_request(b'{"stream":true,"stream_options":"bad"}', True).strip_final_usage is False
 
 
-@pytest.mark.skipif(itl_replay.replay_exact is itl_replay.replay_py,
-                    reason="the extension is not built here")
 @pytest.mark.parametrize("exemplars", [True, False])
 def test_the_extensions_replay_is_the_python_replay_to_the_bit(exemplars: bool) -> None:
     """`replay_exact` (C) returns exactly what `replay_py` returns, every double equal, from
@@ -530,9 +526,9 @@ def test_the_extensions_replay_is_the_python_replay_to_the_bit(exemplars: bool) 
             log.extend((at, count, rng.choice((3, -1))))
         args = (log, rng.randrange(3), at - rng.randrange(10**8), rng.random() / 10,
                 rng.random(), bounds, exemplars)
-        assert itl_replay.replay_exact(*args) == itl_replay.replay_py(*args)
+        assert _native.replay_exact(*args) == itl_oracle.replay_py(*args)
     with pytest.raises(ValueError):
-        itl_replay.replay_exact(b"\0" * 23, 0, 0, 0.0, 0.0, bounds, False)
+        _native.replay_exact(b"\0" * 23, 0, 0, 0.0, 0.0, bounds, False)
 
 
 @pytest.mark.parametrize("replay", REPLAYS)

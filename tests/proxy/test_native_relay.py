@@ -357,8 +357,8 @@ def test_a_client_that_leaves_mid_stream_closes_the_upstream(
 
 def test_an_upstream_silent_before_its_head_times_out_alike(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
-    # The native leg holds the exchange from the moment its request is sent (native.py): the
-    # idle timeout takes it back before answering, as the Python path answers.
+    # The idle timeout answers a request with no head yet alike on both paths (the native leg
+    # takes a stream only from its body).
     raw_upstream.head_delay = 3.0
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3), *_ending(3)]
     native = make_proxy(raw_upstream.url, native_relay=True, upstream_idle_timeout_s=0.3)
@@ -371,7 +371,7 @@ def test_an_upstream_silent_before_its_head_times_out_alike(
     mine, theirs = native.next_record(), python.next_record()
     assert mine.outcome == theirs.outcome == "timeout"
     assert mine.http_status == theirs.http_status
-    assert _native_streams(native) == 1 and _native_streams(python) == 0
+    assert _native_streams(native) == _native_streams(python) == 0
 
 
 def test_an_upstream_silent_mid_stream_times_out_while_the_native_leg_holds_it(
@@ -417,7 +417,7 @@ def test_a_client_that_leaves_before_the_head_closes_the_upstream(
                            *_ending(5000)]
     proxy = make_proxy(raw_upstream.url, native_relay=True)
     with _sent(proxy):
-        while not _native_streams(proxy):  # the thread holds it, waiting for the head
+        while not raw_upstream.bodies:  # the upstream has the request, not yet answered
             threading.Event().wait(0.01)
     assert raw_upstream.closed_by_peer.wait(10)  # the engine learns the client left
     record = proxy.next_record()
@@ -439,7 +439,7 @@ def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
         scraped = parse_metrics(httpx.get(proxy.url + "/metrics", timeout=10).text)
         labels = {"model": "m", "endpoint": "chat.completions"}
         assert total(scraped, "phasewatch_inter_token_latency_seconds_count", **labels) == 29
-        # The first token too, the thread having taken the stream from its head.
+        # The first token too, the thread having taken the stream before it.
         assert total(scraped, "phasewatch_time_to_first_token_seconds_count", **labels) == 1
         assert total(scraped, "phasewatch_native_relay_streams_total") >= 1
         assert not proxy.stored()  # the stream is still open
@@ -531,10 +531,10 @@ def test_a_pipelined_request_does_not_wait_for_the_event_loops_next_wake_up(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The thread ends a clean stream quietly (native.py): the event loop takes it on its next
-    wake-up for anything else. A request already queued behind it on the same connection is
-    such a wake-up only if the stream is urged. Here a quiet ending waits a minute and the live
-    registry's pass (another such wake-up) never runs, so the second answer comes within the
-    socket's timeout only through `urge`."""
+    wake-up for anything else. A request queued behind it on the same connection makes it a
+    wake-up at once: the thread sees the client's bytes behind the response. Here a quiet
+    ending waits a minute and the live registry's pass (another such wake-up) never runs, so
+    the second answer comes within the socket's timeout only that way."""
     from phasewatch.proxy import live, native
 
     async def no_pass(self: Any) -> None:
@@ -607,7 +607,7 @@ def test_under_uvloop_the_native_leg_relays_alike_and_hands_the_connection_back(
         assert _stream(proxy.url, ASK) == expected
         record = proxy.next_record()
         assert (record.outcome, record.output_tokens, record.itl_count) == ("ok", 30, 29)
-    assert _native_streams(proxy) == 3  # each taken at its head, none given back
+    assert _native_streams(proxy) == 3  # each taken before its first token, none given back
     assert raw_upstream.streamed_on == 2  # one per proxy: each stream's was kept alive
 
 

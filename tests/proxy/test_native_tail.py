@@ -1,4 +1,4 @@
-"""The native leg's stream tail (_native.c), driven directly over socket pairs.
+"""The native leg's stream tail (app/proxy/csrc/), driven directly over socket pairs.
 
 After the running token chunks the thread also relays what ends a stream, as the Python path
 does: the terminal chunk (held for the usage chunk's fingerprint when that chunk is cut), the
@@ -268,7 +268,7 @@ def test_an_end_the_client_does_not_take_goes_back_at_once_with_the_rest(relay: 
 @pytest.fixture
 def patient_relay() -> Iterator[Any]:
     """A relay whose quiet endings wait a minute for the event loop's own wake-up: within a
-    test, a notification of such an ending is one asked for (`urge`)."""
+    test, a notification of such an ending is one a waiting request asked for."""
     relay = _native.Relay(quiet_ms=60_000)
     yield relay
     relay.close()
@@ -288,7 +288,8 @@ def _comes_back_notified(relay: Any, stream: Any) -> bool:
 
 
 def test_a_quiet_end_waits_for_the_event_loop_until_its_deadline(patient_relay: Any) -> None:
-    """The control for the next test: without `urge`, no wake-up within the deadline."""
+    """The control for the next test: with no request behind it, no wake-up within the
+    deadline."""
     pair = Pair(patient_relay, "usage-cut")
     try:
         pair.send(_frame(TOKENS[0]))
@@ -301,23 +302,31 @@ def test_a_quiet_end_waits_for_the_event_loop_until_its_deadline(patient_relay: 
         pair.close()
 
 
-@pytest.mark.parametrize("urged", ["before-the-end", "after-the-end"])
+@pytest.mark.parametrize("behind", ["queued-before-the-handoff", "sent-while-held"])
 def test_an_end_with_a_request_behind_it_wakes_the_event_loop_at_once(
-        patient_relay: Any, urged: str) -> None:
-    """A request queued behind the response on its connection (pipelined) waits for this
-    stream's end to be taken: `urge` has it come back with a wake-up, whether it is asked
-    while the stream runs or once its end has been published quietly."""
+        patient_relay: Any, behind: str) -> None:
+    """A request behind the response on its connection (pipelined) waits for this stream's end
+    to be taken: such an end comes back with a wake-up, whether the request was queued by the
+    server before the handoff (`urgent`) or the client sent it while the thread held the
+    stream (the thread sees the client's bytes, and leaves them in its socket)."""
     pair = Pair(patient_relay, "usage-cut")
+    if behind == "queued-before-the-handoff":
+        pair.stream.stop()
+        pair.back()
+        plan = _plan("usage-cut")
+        pair.stream = patient_relay.start(pair.up.fileno(), pair.client.fileno(),
+                                          plan.strip_chunk_usage, plan.strip_final_usage,
+                                          urgent=True)
     try:
         pair.send(_frame(TOKENS[0]))
         pair.wait_for(lambda got: len(got) > 0)  # the thread holds the stream
-        if urged == "before-the-end":
-            pair.stream.urge()
+        if behind == "sent-while-held":
+            pair.remote.sendall(b"POST /v1/completions HTTP/1.1\r\n")
         pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
         pair.relayed(END)
-        if urged == "after-the-end":
-            pair.stream.urge()
         assert _comes_back_notified(patient_relay, pair.stream)
         assert pair.stream.ending == Ending.ENDED and pair.stream.end_written
+        if behind == "sent-while-held":  # still in the socket, for the server
+            assert pair.client.recv(100) == b"POST /v1/completions HTTP/1.1\r\n"
     finally:
         pair.close()

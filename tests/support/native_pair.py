@@ -1,5 +1,5 @@
-"""A stream held by the native relay's thread (_native.c) between two socket pairs a test
-drives: the upstream's side to write, the client's side to read."""
+"""A stream held by the native relay's thread (app/proxy/csrc/relay.c) between two socket pairs
+a test drives: the upstream's side to write, the client's side to read."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ from typing import Any
 
 
 class NativePair:
-    def __init__(self, relay: Any, strip: bool, hold: bool,
-                 head: tuple[bytes, bytes, bytes] | None = None) -> None:
+    def __init__(self, relay: Any, strip: bool, hold: bool, pending: bool = False) -> None:
         self.relay = relay
         self.up, self.upstream = socket.socketpair()
         self.client, self.remote = socket.socketpair()
-        self.stream = relay.start(self.up.fileno(), self.client.fileno(), strip, hold, self,
-                                  head)
+        self.stream = relay.start(self.up.fileno(), self.client.fileno(), strip, hold, pending)
         self.received = b""
 
     def send(self, *parts: bytes) -> None:
