@@ -105,7 +105,10 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 
 @pytest.fixture
-def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
+def make_proxy(sqlite_url: str, tmp_path: Path) -> Iterator[Callable[..., Proxy]]:
+    """Proxies under uvicorn in threads, each with a database of its own unless given one (the
+    first `sqlite_url`, the others SQLite files beside it): two proxies compared must not read
+    each other's records."""
     started: list[ThreadServer] = []
 
     def make(upstream: str, http: Any = None,
@@ -118,7 +121,9 @@ def make_proxy(sqlite_url: str) -> Iterator[Callable[..., Proxy]]:
         # through it (tests/faults/test_admin_access.py tests the closed default). /metrics rendered
         # afresh for each scrape: tests read it right after acting (tests/proxy/test_metrics.py
         # tests the cache).
-        overrides = {"database_url": sqlite_url, "writer_flush_interval_s": 0.02,
+        own_db = (f"sqlite+aiosqlite:///{tmp_path / f'phasewatch-{len(started)}.db'}"
+                  if started else sqlite_url)
+        overrides = {"database_url": own_db, "writer_flush_interval_s": 0.02,
                      "admin_open": True, "metrics_cache_s": 0, **overrides}
         settings = load_settings(upstream_url=upstream, **overrides)
         server = ThreadServer(create_app(settings, registry=registry), http=http,
