@@ -25,7 +25,8 @@ lint: install
 # The benchmark scripts that drive the relay's own classes, checked from their folder (as
 # `python benchmarks/X.py` imports its neighbours): a rename in app/ must reach them too.
 BENCH_TYPED = read_path.py proxy_ab.py proxy_overhead.py loadgen.py fast_upstream.py \
-	ttft_truth.py loadgen_capacity.py cost_split.py opcode_census.py connection_cost.py
+	ttft_truth.py loadgen_capacity.py cost_split.py opcode_census.py connection_cost.py \
+	memory_growth.py slow_client.py
 
 # mypy reads modules by path: build/typecheck/phasewatch is app/ under its import name.
 typecheck: install

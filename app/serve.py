@@ -43,8 +43,8 @@ FD_RESERVE = 64
 def raise_open_file_limit() -> int:
     """Raise this process's soft open-file limit to its hard limit (inherited by the workers);
     the limit it has now. Every stream holds two descriptors (client and upstream; four
-    while the native relay holds it): the default soft limit of 1,024 would refuse streams
-    with "Too many open files" near 250."""
+    while the native relay holds it: its thread's duplicates): the default soft limit of
+    1,024 would refuse streams with "Too many open files" near 250."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)

@@ -105,3 +105,23 @@ def test_read_path_quick() -> None:
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
     assert set(lines) == {"pass-through", "phasewatch"}
     assert "us per read" in lines["phasewatch"] and "x pass-through" in lines["phasewatch"]
+
+
+def test_slow_client_quick(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "slow_client.py"), "--quick", "--json",
+         str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(row["chunks_alone"] > 0 and row["chunks_beside"] > 0 for row in rows)
+
+
+def test_ttft_truth_burst_quick(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ttft_truth.py"), "--quick", "--burst", "16",
+         "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["joined"] == summary["sent"] == 16

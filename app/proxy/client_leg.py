@@ -133,6 +133,18 @@ class ClientLeg:
         if poll_set is not None and self.plain_fd is not None:
             poll_set.forget(cycle.transport, self.plain_fd)
 
+    def hung_up(self) -> None:
+        """The native leg saw the client hang up (or its socket fail): the cycle is marked
+        disconnected now, as the server's `connection_lost` will mark it, so that the app's end
+        that follows is not taken for a response left incomplete; the connection is closed."""
+        cycle = self._cycle
+        if cycle is None:
+            return  # (the app is done with it: the server hears the hang-up as reads resume)
+        if not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        cycle.transport.close()
+
     def reclaim(self) -> None:
         """The native leg handed the socket back: the server reads it again (unless it had
         paused its reads itself, which it undoes when the response completes)."""
@@ -182,37 +194,22 @@ class ClientLeg:
         (the client is gone, the response has started, a HEAD request): ASGI then starts it.
         The headers are `client_response_headers`' (lower-case, no hop-by-hop); their values
         come from parsed requests and responses, so they hold no CR or LF."""
-        parts = self.head_parts(status)
-        if parts is None or not self.start_chunked(status):
-            return None
-        prefix, end = parts
-        head = [prefix]
-        for name, value in headers:
-            head += (name, b": ", value, b"\r\n")
-        head.append(end)
-        return b"".join(head)
-
-    def head_parts(self, status: int = 200) -> tuple[bytes, bytes] | None:
-        """What a chunked response's head holds around the upstream's headers: the status line
-        and the server's own headers (`date`, `server`), and its end (`connection: close` when
-        the connection is not kept alive, `transfer-encoding: chunked`, the blank line). The
-        native leg writes a head from them (native.py). None when the response cannot start
-        here (as `begin_chunked`)."""
         cycle = self._cycle
-        if (cycle is None or cycle.disconnected or cycle.response_started
-                or cycle.scope["method"] == "HEAD"):
+        if cycle is None or not self.start_chunked(status):
             return None
-        prefix = [STATUS_LINE[status]]
-        for name, value in cycle.default_headers:
-            prefix += (name, b": ", value, b"\r\n")
-        end = (b"transfer-encoding: chunked\r\n\r\n" if cycle.keep_alive
-               else b"connection: close\r\ntransfer-encoding: chunked\r\n\r\n")
-        return b"".join(prefix), end
+        # The status line and the server's own headers (`date`, `server`), the upstream's, and
+        # the end: `connection: close` when the connection is not kept alive.
+        head = [STATUS_LINE[status]]
+        for name, value in (*cycle.default_headers, *headers):
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"transfer-encoding: chunked\r\n\r\n" if cycle.keep_alive
+                    else b"connection: close\r\ntransfer-encoding: chunked\r\n\r\n")
+        return b"".join(head)
 
     def start_chunked(self, status: int) -> bool:
         """Move the cycle's state as uvicorn's `send` of `http.response.start` moves it for a
-        chunked response (its access log line too), the head being written by the caller (or
-        by the native leg); False when it cannot start here (as `begin_chunked`)."""
+        chunked response (its access log line too), the head being written by the caller;
+        False when it cannot start here (as `begin_chunked`)."""
         cycle = self._cycle
         if (cycle is None or cycle.disconnected or cycle.response_started
                 or cycle.scope["method"] == "HEAD"):

@@ -6,17 +6,28 @@ by that connection's read callbacks. Each read is timed as it arrives (one `perf
 classified for timing (stream.py) and, under phasewatch's own server, written straight onto
 the client's transport (client_leg.py): no task wake-up and no ASGI message per chunk; the
 response's head goes out in the same write as the first event that came with it. Under
-another ASGI server the same bytes go out as ASGI messages.
+another ASGI server the same bytes go out as ASGI messages. Once the stream stands at a chunk
+boundary of an exactly counted body, the native leg's thread may take it (native.py) and hand
+it back at any byte; Python goes on from exactly there.
+
+Who owns each socket, when (one owner at a time; each socket in one poll set at a time):
+
+| socket | owner | from -> to |
+|---|---|---|
+| client, reads | uvicorn (`PhasewatchHttpProtocol`) | accept -> close, but while lent |
+| client, the response's writes | this exchange (`ClientLeg`) | head -> end, but while lent |
+| client, lent | the native thread (writes, hang-up, a request behind) | `lend` -> back |
+| upstream, idle | `UpstreamPool` (the loop reads it: a close is seen) | put back -> taken |
+| upstream, busy | this exchange (its read callbacks) | `send` -> `finish`, but while lent |
+| upstream, lent | the native thread (reads) | `Holder.NATIVE` -> back |
 
 Invariants:
 - Where the exchange is, is one value (`Phase`), moved only by `_on` through the table of
-  exchange_state.py; the first ending wins. Who holds the sockets while it streams is another
-  (`Holder`): the event loop, or the native leg's thread from a chunk boundary of the body
-  until it hands the stream back (native.py), when Python goes on from that exact byte.
-- Socket ownership: the client's connection is uvicorn's, but for the response's bytes,
-  which only this exchange writes (client_leg.py); while `Holder.NATIVE`, the thread alone
-  reads the upstream and writes the client, and the event loop has both sockets paused and
-  out of its poll set.
+  exchange_state.py; the first ending wins. Who relays its stream is another (`Holder`).
+- While `Holder.NATIVE`, Python neither reads nor writes either socket: both are paused and
+  out of the event loop's poll set (client_leg.py `lend`, upstream_pool.py `pause_reading`),
+  and an ending Python decides (a timeout, shutdown) asks the thread to hand the stream back
+  first.
 - The record is finished in `relay`'s `finally` and handed to a bounded queue: the relay never
   waits for storage, and a fault in metrics or records never breaks a client's stream.
 - A client that leaves makes the exchange close its upstream connection at once, so the
@@ -470,6 +481,8 @@ class Exchange:
             if leg.paused and blocked_ns:
                 self.client_blocked_ns = blocked_ns  # it stopped reading before this write
         if ending == Ending.CLIENT_ERROR:
+            if leg is not None:
+                leg.hung_up()
             self.client_gone()
         if conn is not None:
             if ending != Ending.UPSTREAM_ERROR and (leg is None or not leg.paused):

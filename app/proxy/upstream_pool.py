@@ -91,23 +91,16 @@ class UpstreamConnection(asyncio.Protocol):
         self.state = ConnState.BUSY
 
     def finish(self, reusable: bool) -> None:
-        """The exchange is done with this connection: back to the pool, or closed."""
+        """The exchange is done with this connection: back to the pool, or closed. Not reused
+        while part of its request is still unsent (an upstream that answered before reading a
+        whole body would read the rest as the next request's start)."""
         self._handler = None
-        if reusable and self.keep_alive and self.state is ConnState.BUSY:
+        transport = self.transport
+        if (reusable and self.keep_alive and self.state is ConnState.BUSY
+                and transport is not None and not transport.get_write_buffer_size()):
             self._pool.put_back(self)
         else:
             self.close()
-
-    def lend(self) -> None:
-        """Kept by the native front (front.py), paused: no exchange hears it. It stays busy
-        (out of the pool) until the front gives it back (`finish`) or it is closed."""
-        self._handler = None
-
-    def adopt(self, handler: UpstreamHandler) -> None:
-        """The native front sent a request on this connection: its response is `handler`'s,
-        from the bytes the front hands over (`take`)."""
-        self._expect(handler)
-        self.reused = True
 
     def close(self) -> None:
         self._handler = None
@@ -140,8 +133,7 @@ class UpstreamConnection(asyncio.Protocol):
                 and self._last_read.endswith(b"%x\r\n%b\r\n" % (len(piece), piece)))
 
     def take(self, data: bytes, now_ns: int) -> None:
-        """Parse bytes the native relay read at `now_ns`, as a read: those it did not take, or
-        the response's head it took (and answered the client for)."""
+        """Parse bytes the native relay read at `now_ns` and did not take, as a read."""
         if self.state is ConnState.BUSY:
             self._read(data, now_ns)
 

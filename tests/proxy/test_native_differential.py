@@ -66,8 +66,11 @@ class ScriptUpstream:
                     if not line:
                         return
                     head += line
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                if not head.startswith(b"POST "):  # (the engine scrape's GET /metrics)
+                    conn.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
                 reader.read(length)
                 conn.sendall(HEAD)
                 for piece in self.script:
