@@ -424,6 +424,54 @@ def test_a_client_that_leaves_before_the_head_closes_the_upstream(
     assert record.outcome == "cancelled" and record.ttft_s is None
 
 
+def test_a_failed_relay_thread_hands_every_stream_back_and_python_relays_on(
+        make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
+    """The thread's loop failing (its epoll_wait, made to fail here: `fault()`) strands
+    nothing: every stream it held comes back and goes on in Python to its end, the failure is
+    logged and counted, and later streams stay in Python."""
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 20), 0.5,
+                           *_tokens(21, 40), *_ending(40)]
+    proxy = make_proxy(raw_upstream.url, native_relay=True)
+    expected = _stream(make_proxy(raw_upstream.url, native_relay=False).url, ASK)
+    with _sent(proxy) as sock:
+        got = b""
+        while b'"content":"t20"' not in got:  # the thread holds it, in the pause
+            got += sock.recv(65536)
+        assert _native_streams(proxy) >= 1
+        native = proxy.server.call(_native_of(proxy))
+        native._relay.fault()
+        while not got.endswith(b"0\r\n\r\n"):
+            data = sock.recv(65536)
+            assert data, "the stream was cut"
+            got += data
+    assert _unchunked(got.partition(b"\r\n\r\n")[2]) == expected
+    record = proxy.next_record()
+    assert (record.outcome, record.output_tokens) == ("ok", 40)
+    assert proxy.sample("phasewatch_native_relay_failures_total") == 1
+    handed = _native_streams(proxy)
+    assert _stream(proxy.url, ASK) == expected  # and the next stays in Python
+    assert _native_streams(proxy) == handed
+
+
+async def _native_of_app(app: Any) -> Any:
+    return app.api.state.proxy.native
+
+
+def _native_of(proxy: Proxy) -> Any:
+    return _native_of_app(proxy.server.app)
+
+
+def _unchunked(body: bytes) -> bytes:
+    out, pos = b"", 0
+    while True:
+        line_end = body.index(b"\r\n", pos)
+        size = int(body[pos:line_end], 16)
+        if not size:
+            return out
+        out += body[line_end + 2:line_end + 2 + size]
+        pos = line_end + 2 + size + 2
+
+
 def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     # 30 tokens, then the stream stays open. The live registry's passes replay a native
