@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,32 +27,13 @@ from pathlib import Path
 import orjson
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the sibling benchmark modules, however this one is started
+    sys.path.insert(0, str(HERE))
+
+from proxy_overhead import start_phasewatch, start_upstream, stop  # noqa: E402
+
 REQUEST_BODY = orjson.dumps({"model": "m", "prompt": "hello", "stream": True, "max_tokens": 8,
                              "x_interval_ms": 0})
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_http(port: int, path: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the process on port {port} exited ({proc.returncode})")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                sock.sendall(b"GET %b HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
-                             % path.encode())
-                if sock.recv(12).startswith(b"HTTP/1.1 200"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"nothing answered on port {port}")
 
 
 def rss_mb(pid: int) -> float:
@@ -106,29 +85,25 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.requests, args.warm = 3_000, 500
-    up_port, port = _free_port(), _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        upstream = subprocess.Popen([sys.executable, str(HERE / "fast_upstream.py"), "--port",
-                                     str(up_port), "--interval-ms", "0", "--tokens", "8"])
-        env = {**os.environ, "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp}/pw.db",
-               "PHASEWATCH_LOG_LEVEL": "warning",
-               **dict(item.split("=", 1) for item in args.env)}
-        served = subprocess.Popen([sys.executable, "-m", "phasewatch.cli", "serve", "--port",
-                                   str(port), "--upstream", f"http://127.0.0.1:{up_port}"],
-                                  env=env)
+    shape = argparse.Namespace(interval_ms=0.0, first_delay_ms=0.0, chunks=8)
+    with tempfile.TemporaryDirectory() as tmpname:
+        tmp = Path(tmpname)
+        upstream = start_upstream(shape, tmp)
         try:
-            _wait_http(up_port, "/health", upstream)
-            _wait_http(port, "/api/health", served)
-            started = time.monotonic()
-            asyncio.run(drive(port, args.warm, args.connections))
-            warm_rss, warm_fds = rss_mb(served.pid), open_fds(served.pid)
-            asyncio.run(drive(port, args.requests - args.warm, args.connections))
-            end_rss, end_fds = rss_mb(served.pid), open_fds(served.pid)
-            took = time.monotonic() - started
+            served = start_phasewatch(upstream, tmp, extra_env=dict(
+                item.split("=", 1) for item in args.env))
+            try:
+                pid, port = served.proc.pid, served.port
+                started = time.monotonic()
+                asyncio.run(drive(port, args.warm, args.connections))
+                warm_rss, warm_fds = rss_mb(pid), open_fds(pid)
+                asyncio.run(drive(port, args.requests - args.warm, args.connections))
+                end_rss, end_fds = rss_mb(pid), open_fds(pid)
+                took = time.monotonic() - started
+            finally:
+                stop(served)
         finally:
-            for proc in (served, upstream):
-                proc.terminate()
-                proc.wait(timeout=30)
+            stop(upstream)
     growth = end_rss - warm_rss
     per_request = growth * 1024 * 1024 / max(1, args.requests - args.warm)
     print(f"{args.requests} requests on {args.connections} kept connections in {took:.0f} s")

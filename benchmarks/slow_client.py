@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,31 +30,12 @@ from pathlib import Path
 import orjson
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the sibling benchmark modules, however this one is started
+    sys.path.insert(0, str(HERE))
+
+from proxy_overhead import start_phasewatch, start_upstream, stop  # noqa: E402
+
 _STAMP = re.compile(rb'"id":"cmpl-\d+-(\d+)"')
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_http(port: int, path: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the process on port {port} exited ({proc.returncode})")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                sock.sendall(b"GET %b HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
-                             % path.encode())
-                if sock.recv(12).startswith(b"HTTP/1.1 200"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"nothing answered on port {port}")
 
 
 def _request(body: dict[str, object]) -> bytes:
@@ -118,19 +97,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.seconds = 1, 4.0
-    up_port, port = _free_port(), _free_port()
     rows: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        upstream = subprocess.Popen([sys.executable, str(HERE / "fast_upstream.py"), "--port",
-                                     str(up_port)])
-        env = {**os.environ, "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp}/pw.db",
-               "PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_CLIENT_STALL_TIMEOUT_S": "3600"}
-        served = subprocess.Popen([sys.executable, "-m", "phasewatch.cli", "serve", "--port",
-                                   str(port), "--upstream", f"http://127.0.0.1:{up_port}"],
-                                  env=env)
+    shape = argparse.Namespace(interval_ms=20.0, first_delay_ms=0.0, chunks=64)
+    with tempfile.TemporaryDirectory() as tmpname:
+        tmp = Path(tmpname)
+        upstream = start_upstream(shape, tmp)
+        served = None
         try:
-            _wait_http(up_port, "/health", upstream)
-            _wait_http(port, "/api/health", served)
+            served = start_phasewatch(upstream, tmp,
+                                      extra_env={"PHASEWATCH_CLIENT_STALL_TIMEOUT_S": "3600"})
+            port = served.port
             asyncio.run(_phase(port, args.streams, 2.0))  # connections and caches warm
             for repeat in range(args.repeats):
                 alone = asyncio.run(_phase(port, args.streams, args.seconds))
@@ -150,9 +126,9 @@ def main() -> int:
                       f"{row['beside_p50_ms']:.2f}/{row['beside_p99_ms']:.2f} ms "
                       f"({len(alone)} and {len(beside)} chunks)")
         finally:
-            for proc in (served, upstream):
-                proc.terminate()
-                proc.wait(timeout=30)
+            for server in (served, upstream):
+                if server is not None:
+                    stop(server)
     added = statistics.median(r["beside_p99_ms"] - r["alone_p99_ms"] for r in rows)
     print(f"lag p99 with the stalled client minus without, median of {len(rows)}: "
           f"{added:+.2f} ms (target: within 1 ms)")

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from phasewatch.core.settings import load_settings
 from phasewatch.main import create_app
+from phasewatch.proxy.exchange_state import IllegalTransition
 from tests.support.databases import PrivatePostgres, postgres_database
 from tests.support.servers import ThreadServer, free_port, subprocess_server
 
@@ -34,6 +35,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     tens of ms of client-only TTFT."""
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def no_illegal_transition(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """An exchange's state machine refusing an event (app/proxy/exchange_state.py) is a bug,
+    raised in a callback of a proxy's event loop and logged there: any test it happened in
+    fails, whatever it asserted."""
+    yield
+    refused = [r for r in caplog.records
+               if r.exc_info and isinstance(r.exc_info[1], IllegalTransition)]
+    assert not refused, refused[0].getMessage()
 
 
 class Proxy:

@@ -424,6 +424,35 @@ def test_a_client_that_leaves_before_the_head_closes_the_upstream(
     assert record.outcome == "cancelled" and record.ttft_s is None
 
 
+@pytest.mark.parametrize("lines", [
+    [b"a:b"] * 1600,  # once written one byte too far per line by the native head reader
+    [b"x-h%d:%d" % (i, i) for i in range(472)],  # once aborted the process
+], ids=["1600-compact-lines", "472-compact-headers"])
+def test_an_upstream_head_of_compact_header_lines_is_relayed_as_any(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream,
+        lines: list[bytes]) -> None:
+    """The crash inputs of the native head reader, which is gone (llhttp reads every head):
+    the stream and its headers reach the client as through the Python path."""
+    raw_upstream.head = (b"HTTP/1.1 200 OK\r\ncontent-type:text/event-stream\r\n"
+                         b"transfer-encoding:chunked\r\n" + b"\r\n".join(lines) + b"\r\n\r\n")
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), *_ending(5)]
+    native, python = two_proxies
+    answers = []
+    for proxy in (native, python):
+        with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=ASK,
+                          timeout=30) as response:
+            assert response.status_code == 200
+            answers.append((sorted((k, v) for k, v in response.headers.multi_items()
+                                   if k not in ("date", "x-request-id")),
+                            b"".join(response.iter_raw())))
+    assert answers[0] == answers[1]
+    headers, body = answers[0]
+    theirs = {"content-type", "transfer-encoding", "server"}  # the server's and the framing's
+    assert len([k for k, _ in headers if k not in theirs]) == len(lines)
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert native.next_record().output_tokens == python.next_record().output_tokens == 5
+
+
 def test_a_failed_relay_thread_hands_every_stream_back_and_python_relays_on(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     """The thread's loop failing (its epoll_wait, made to fail here: `fault()`) strands
