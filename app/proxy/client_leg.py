@@ -1,30 +1,32 @@
 """phasewatch's HTTP server protocol: uvicorn's httptools protocol plus what the relay needs.
 
-A connection beyond uvicorn's `limit_concurrency` (which `phasewatch serve` sets from the
-open-file limit) is answered at once with a 503 in the OpenAI error format and closed, so
-descriptors never run out under a flood of streams. And three additions, offered to the app
-as the ASGI scope extension `phasewatch.client_leg`:
-- the request's arrival, read with `perf_counter_ns()` when its first bytes come off the socket
-  (before the headers are parsed, the app is called or its task is scheduled), so the time a
-  request waits inside the proxy is inside its TTFT and visible in the queueing histogram;
-- a disconnect callback, so the relay learns that its client left without a task per request
-  waiting on ASGI's `receive` for it;
-- a direct writer for a streamed response: the relay starts the response (its head, in the
-  same write as the first chunk) and writes each read from the upstream onto the client's
-  transport, framed as HTTP/1.1 chunks, from the upstream's read callback, instead of one ASGI
-  message (and task wake-up) per chunk. The cycle's state moves as uvicorn's own `send` moves
-  it, so keep-alive and pipelining stay uvicorn's. The writer tells the relay when the
-  client's socket buffer fills and drains, so the relay stops and resumes reading from the
-  upstream: back-pressure reaches the engine as it would through a plain TCP proxy.
-
+This is the one module that touches uvicorn's internals (its protocol's hooks, its request
+cycle's state, its flow control): pyproject.toml pins uvicorn to the minor versions it was
+tested with (`TESTED_UVICORN`), and a test fails on any other. Parsing, keep-alive, pipelining,
+graceful shutdown and every other route stay uvicorn's; heads are parsed by llhttp
+(httptools). What it adds:
+- the request's arrival: for a connection's first request the kernel's receive time of its
+  first byte (arrival.py), for later ones `perf_counter_ns()` as their bytes come off the
+  socket (before the headers are parsed, the app is called or its task is scheduled), so the
+  time a request waits inside the proxy is inside its TTFT;
+- bounds: a connection beyond uvicorn's `limit_concurrency` (which `phasewatch serve` sets from
+  the open-file limit) is answered at once with a 503 in the OpenAI error format and closed;
+  a head that does not arrive within the head timeout gets a 408 and the connection closes;
+  a head llhttp refuses gets uvicorn's 400 with an OpenAI-format body;
+- offered to the app as the ASGI scope extension `phasewatch.client_leg` (`ClientLeg`): a
+  disconnect callback (no task per request waiting on ASGI's `receive`); a direct writer for a
+  streamed response, which starts it (its head in the same write as the first chunk) and
+  writes each read from the upstream as HTTP/1.1 chunks from the upstream's read callback,
+  moving the cycle's state as uvicorn's own `send` does and telling the relay when the
+  client's socket buffer fills and drains (back-pressure reaches the engine); and the lending
+  of the client's socket to the native leg (`lend`/`reclaim`: reads paused and out of the
+  poll set while the thread holds it).
 When uvicorn starts shutting down it calls `shutdown()` on every connection; this protocol
 passes that on to the app (its lifespan state offers a hook), so readiness fails and the grace
 for open streams starts however the signal reached uvicorn (app/proxy/shutdown.py).
 
-Everything else (parsing, keep-alive, pipelining, graceful shutdown, every other route) is
-uvicorn's. Under another ASGI server the extension is absent and the relay falls back to ASGI
-messages, with the same bytes and the same timing definitions (arrival is then when the app
-is called).
+Under another ASGI server the extension is absent and the relay falls back to ASGI messages,
+with the same bytes and the same timing definitions (arrival is then when the app is called).
 """
 
 from __future__ import annotations

@@ -453,6 +453,26 @@ def test_an_upstream_head_of_compact_header_lines_is_relayed_as_any(
     assert native.next_record().output_tokens == python.next_record().output_tokens == 5
 
 
+@pytest.mark.parametrize("body", [b'{"model":1e400,"stream":true}', b'{"stream":true,',
+                                  b'[1,2]', b'{"model":"m","stream":true,"n":1e999}'],
+                         ids=["overflowing-number", "cut-json", "not-an-object", "huge-n"])
+def test_a_body_the_proxy_cannot_plan_goes_upstream_as_it_came_and_is_answered(
+        two_proxies: tuple[Proxy, Proxy], raw_upstream: RawUpstream, body: bytes) -> None:
+    """Every such request is answered (here by the upstream, which the body reaches byte for
+    byte) and stored, on a kept connection as on a new one, on both paths."""
+    raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 3), *_ending(3)]
+    for proxy in two_proxies:
+        with httpx.Client(base_url=proxy.url, timeout=10) as client:
+            for _ in range(2):  # the second on the kept connection
+                response = client.post("/v1/chat/completions", content=body,
+                                       headers={"content-type": "application/json"})
+                assert response.status_code == 200
+                assert response.text.endswith("data: [DONE]\n\n")
+                record = proxy.next_record()
+                assert record.outcome == "ok" and record.http_status == 200
+    assert [b for b in raw_upstream.bodies if b] == [body] * 4  # (GETs of /metrics: no body)
+
+
 def test_a_failed_relay_thread_hands_every_stream_back_and_python_relays_on(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     """The thread's loop failing (its epoll_wait, made to fail here: `fault()`) strands
