@@ -65,6 +65,9 @@ def plan_request(body: bytes, continuous_usage: bool) -> RequestPlan:
 
 
 _JSON_SPACE = b" \t\r\n"  # what RFC 8259 allows around a value (all orjson accepts)
+# The member appended to a body without `stream_options` (the usual case), made once.
+_USAGE_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+_USAGE_MEMBER = b',"stream_options":' + orjson.dumps(_USAGE_OPTIONS) + b"}"
 
 
 def _with_options(body: bytes, obj: dict[str, Any], options: dict[str, bool]) -> bytes:
@@ -75,7 +78,8 @@ def _with_options(body: bytes, obj: dict[str, Any], options: dict[str, bool]) ->
         # member already (`stream`), so a comma goes first.
         text = body.rstrip(_JSON_SPACE)
         if text.endswith(b"}"):
-            return b"".join((text[:-1], b',"stream_options":', orjson.dumps(options), b"}",
-                             body[len(text):]))
+            member = (_USAGE_MEMBER if options == _USAGE_OPTIONS
+                      else b',"stream_options":' + orjson.dumps(options) + b"}")
+            return b"".join((text[:-1], member, body[len(text):]))
     obj["stream_options"] = options
     return orjson.dumps(obj)

@@ -50,7 +50,8 @@ class ConnState(Enum):
 
 
 class UpstreamConnection(asyncio.Protocol):
-    __slots__ = ("_body_until_close", "_handler", "_headers", "_last_piece", "_last_read",
+    __slots__ = ("_body_until_close", "_chunked", "_handler", "_head_ended_read", "_headers",
+                 "_last_piece", "_last_read",
                  "_parser", "_pool", "_read_ns", "_responded", "idle_since", "keep_alive",
                  "plain_fd", "reused", "state", "transport")
 
@@ -63,6 +64,8 @@ class UpstreamConnection(asyncio.Protocol):
         # The last read, and the last body piece parsed from it: where the parser stands.
         self._last_read = b""
         self._last_piece: bytes | None = None
+        self._head_ended_read = False  # the last read completed the response's head
+        self._chunked = False  # the response's body is chunked
         self._responded = False  # a byte of the current response has arrived
         self._body_until_close = False
         self.transport: asyncio.Transport | None = None
@@ -85,6 +88,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._handler = handler
         self._headers = []
         self._last_read, self._last_piece = b"", None
+        self._head_ended_read = self._chunked = False
         self._responded = False
         self._body_until_close = False
         self.keep_alive = False
@@ -121,15 +125,22 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def between_chunks(self) -> bool:
-        """The last read ended exactly where a chunk of the body ends, and that chunk's data
-        ends an SSE event (`\n\n`): the parser holds nothing, and the next byte starts a
-        chunk's size line (so the native leg may read from there, native.py).
+        """The parser holds nothing and the next byte starts a chunk's size line of a chunked
+        body (so the native leg may read from there, native.py): the last read ended exactly
+        where a chunk ends whose data ends an SSE event (`\n\n`), or exactly where the
+        response's head ends.
 
         Sound without the parser's help: a read that ended inside a chunk ends with the piece
         parsed from it, so it ends with `\n\n`, and cannot also end with that piece's
-        framing, which ends with CRLF."""
+        framing, which ends with CRLF; a read that completed the head and brought no body
+        piece ends with the head's blank line only if nothing of the body came with it (a
+        size line alone ends with one CRLF, and any data byte would have been a piece)."""
+        if self.state is not ConnState.BUSY or not self._chunked:
+            return False
         piece = self._last_piece
-        return (self.state is ConnState.BUSY and piece is not None and piece.endswith(b"\n\n")
+        if piece is None:
+            return self._head_ended_read and self._last_read.endswith(b"\r\n\r\n")
+        return (piece.endswith(b"\n\n")
                 and self._last_read.endswith(b"%x\r\n%b\r\n" % (len(piece), piece)))
 
     def take(self, data: bytes, now_ns: int) -> None:
@@ -157,6 +168,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._read_ns = now_ns
         self._responded = True
         self._last_read, self._last_piece = data, None
+        self._head_ended_read = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -196,6 +208,11 @@ class UpstreamConnection(asyncio.Protocol):
         # Read keep-alive now: once the message is complete httptools reports False.
         self.keep_alive = parser.should_keep_alive()
         status = parser.get_status_code()
+        self._head_ended_read = status >= 200
+        # llhttp takes `chunked` only as the last transfer coding: the body is chunked.
+        self._chunked = any(name.lower() == b"transfer-encoding"
+                            and value.lower().rstrip().endswith(b"chunked")
+                            for name, value in self._headers)
         if status >= 200 and not any(
             name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self._headers
         ) and status not in (204, 304):
