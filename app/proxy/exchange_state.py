@@ -9,8 +9,8 @@ after it (a read that was already on its way, the client leaving, a timeout foun
 that started before) leaves it where it is, as the table says.
 
 Who holds an exchange's sockets while it streams (Python, or the native leg's thread) is a
-separate value (`relay.py` `Holder`): it changes what relays the bytes, not where the exchange
-is.
+separate value (relay.py `Exchange._native`): it changes what relays the bytes, not where the
+exchange is.
 """
 
 from __future__ import annotations

@@ -19,15 +19,16 @@ Who owns each socket, when (one owner at a time; each socket in one poll set at 
 | client, lent | the native thread (writes, hang-up, a request behind) | `lend` -> back |
 | upstream, idle | `UpstreamPool` (the loop reads it: a close is seen) | put back -> taken |
 | upstream, busy | this exchange (its read callbacks) | `send` -> `finish`, but while lent |
-| upstream, lent | the native thread (reads) | `Holder.NATIVE` -> back |
+| upstream, lent | the native thread (reads) | `start` -> back |
 
 Invariants:
 - Where the exchange is, is one value (`Phase`), moved only by `_on` through the table of
-  exchange_state.py; the first ending wins. Who relays its stream is another (`Holder`).
-- While `Holder.NATIVE`, Python neither reads nor writes either socket: both are paused and
-  out of the event loop's poll set (client_leg.py `lend`, upstream_pool.py `pause_reading`),
-  and an ending Python decides (a timeout, shutdown) asks the thread to hand the stream back
-  first.
+  exchange_state.py; the first ending wins. Who relays its stream is another: the native
+  leg's `Stream` while it holds the sockets (`_native`), else Python.
+- While the native leg holds them, Python neither reads nor writes either socket: both are
+  paused and out of the event loop's poll set (client_leg.py `lend`, upstream_pool.py
+  `pause_reading`), and an ending Python decides (a timeout, shutdown) asks the thread to hand
+  the stream back first.
 - The record is finished in `relay`'s `finally` and handed to a bounded queue: the relay never
   waits for storage, and a fault in metrics or records never breaks a client's stream.
 - A client that leaves makes the exchange close its upstream connection at once, so the
@@ -41,7 +42,6 @@ import logging
 import os
 from collections.abc import Coroutine
 from datetime import UTC, datetime
-from enum import Enum
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -100,13 +100,6 @@ _PENDING_LIMIT = 1 << 16
 _NAMED = frozenset({REQUEST_ID, RUN_ID, CONTENT_LENGTH})
 
 T = TypeVar("T")
-
-
-class Holder(Enum):
-    """Who relays an exchange's stream: whose the two sockets are."""
-
-    PYTHON = "python"  # the event loop: the upstream connection's reads, the client leg
-    NATIVE = "native"  # the native leg's thread (native.py), until it hands the stream back
 
 
 async def relay(
@@ -171,7 +164,7 @@ class Exchange:
     and, while the native leg holds its stream, the thread's hand-back (native.py `Owner`)."""
 
     __slots__ = ("_blocked_in_send", "_body", "_conn", "_ctx", "_direct", "_end_ns", "_feed",
-                 "_headers", "_holder", "_leg", "_lost", "_native", "_native_refused",
+                 "_headers", "_leg", "_lost", "_native", "_native_refused",
                  "_pending", "_pending_size", "_plan", "_prefix", "_record", "_replayed_ns",
                  "_responded", "_scope", "_status", "_task", "_timing", "_trace", "_unwritten",
                  "_wake", "client_blocked_ns", "label", "last_read_ns", "phase")
@@ -187,7 +180,6 @@ class Exchange:
         self._timing = timing
         self._leg = leg
         self.phase = Phase.CONNECTING
-        self._holder = Holder.PYTHON
         self.last_read_ns = timing.arrival_ns  # the last time the upstream sent anything
         # When the client stopped taking what is written to it (0: it takes it): its socket
         # buffer filled (direct writes), or an ASGI send has been waiting (other servers).
@@ -212,7 +204,8 @@ class Exchange:
         self._responded = False  # the upstream sent a byte of its response
         self._end_ns = 0
         self._lost = ""
-        self._native: Stream | None = None  # while `Holder.NATIVE`
+        # The native leg's stream while it holds both sockets (None: Python relays).
+        self._native: Stream | None = None
         self._replayed_ns = 0  # when the live registry last replayed the native leg's log
         # The native leg could not take this stream once: it stays in Python.
         self._native_refused = ctx.native is None
@@ -415,7 +408,7 @@ class Exchange:
         or half-read, the upstream's parser stands between chunks, and nothing waits to be
         written to the client."""
         native = self._ctx.native
-        if (native is None or self._native_refused or self._holder is Holder.NATIVE
+        if (native is None or self._native_refused or self._native is not None
                 or self.phase is not Phase.STREAMING):
             return
         plan, counting = self._plan, self._timing.counting
@@ -441,14 +434,14 @@ class Exchange:
             leg.reclaim()
             conn.resume_reading()
             return
-        self._native, self._holder = stream, Holder.NATIVE
+        self._native = stream
         self._replayed_ns = perf_counter_ns()  # nothing to replay yet (live.py `REPLAY_S`)
         self._ctx.live.hold(self)
         self._ctx.metrics.native_streams.inc()
 
     def native_returned(self, stream: Stream) -> None:
         """The native leg handed the stream back: go on from the byte it stopped at."""
-        self._native, self._holder = None, Holder.PYTHON
+        self._native = None
         self._ctx.live.release(self)
         self._replay(stream)
         leg, conn, feed = self._leg, self._conn, self._feed
