@@ -259,19 +259,19 @@ async def drive(args: argparse.Namespace, base_url: str, prefix: str, stream_s: 
 async def burst_request(host: str, port: int, path: str, body: bytes, chat: bool,
                         sample: Sample) -> None:
     """One streamed request on a new connection (plain asyncio streams: a client light enough
-    that a burst's own work stays small). Its TTFT starts as the request is handed to the
-    kernel: opening the connection is this client's own work."""
+    that a burst's own work stays small). Its TTFT starts just before the request is handed to
+    the kernel: opening the connection is this client's own work."""
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
         sample.error = type(exc).__name__
         return
     try:
-        writer.write(b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\n"
-                     b"x-request-id: %b\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%b"
-                     % (path.encode(), host.encode(), sample.request_id.encode(), len(body),
-                        body))
-        sent_ns = time.monotonic_ns()
+        request = (b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\n"
+                   b"x-request-id: %b\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%b"
+                   % (path.encode(), host.encode(), sample.request_id.encode(), len(body), body))
+        sent_ns = time.monotonic_ns()  # before the write: no byte can arrive before it
+        writer.write(request)
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             sample.error = f"http_{head[9:12].decode()}"
