@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -97,6 +98,12 @@ static int watch_upstream(pw_relay *r, pw_stream *s, int on) {
  * descriptors keep the sockets, and with them a registration, alive. */
 static void hand_back(pw_relay *r, pw_stream *s, int ending, int err) {
     s->ending = ending;
+    if (ending == PW_END_BODY && s->watch_input && !s->urgent) {
+        /* A request may have come behind the response's end since the batch's events were
+         * taken, or later in the same batch (then skipped): it must not wait the quiet delay. */
+        struct pollfd p = {.fd = s->client, .events = POLLIN};
+        if (poll(&p, 1, 0) == 1 && (p.revents & POLLIN)) s->urgent = 1;
+    }
     if (err && !s->err) s->err = err;
     if (s->in_set & IN_UP) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->up, NULL);
     if (s->in_set & IN_CLIENT) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
