@@ -1,11 +1,17 @@
 """`GET /api/diagnosis` and `GET /api/diagnosis/history`: thin routers over the diagnosis
 service and its stored verdict changes. Method: docs/diagnosis.md; the answers' shapes:
-app/api/diagnosis_schema.py."""
+app/api/diagnosis_schema.py.
+
+Without `window`, `baseline`, `until` and `min_samples` the question is the schedule's: the
+verdict it holds now (`DiagnosisService.current`), the one the gauge, the history and the
+alerts carry. Any of them makes it an ad-hoc question (`source: ad_hoc`); without `baseline`
+it still compares with what the schedule would (its frozen reference during an incident).
+"""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Annotated
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -75,11 +81,15 @@ async def diagnosis(
     model: Annotated[str | None, Query(description="The model to judge; without it, every "
                                        "model with requests in the window or its "
                                        "baseline.")] = None,
-    window: Annotated[str, Query(description="The window's length: `30s`, `5m`, `1h`.")] = "5m",
+    window: Annotated[str | None, Query(description="The window's length: `30s`, `5m`, `1h`; "
+                                        "default the schedule's "
+                                        "(`PHASEWATCH_DIAGNOSIS_WINDOW_S`).")] = None,
     baseline: Annotated[str | None, Query(description="What to compare with: "
-                                          + BASELINE_FORMS + "; default the "
+                                          + BASELINE_FORMS + "; default what the schedule "
+                                          "compares with: the "
                                           "`PHASEWATCH_DIAGNOSIS_BASELINE_S` before the "
-                                          "window.")] = None,
+                                          "window, or during an incident the last span "
+                                          "judged healthy.")] = None,
     until: Annotated[datetime | None, Query(description="The window's end (ISO 8601; no zone "
                                             "means UTC); default now, when requests in "
                                             "flight count too.")] = None,
@@ -88,28 +98,48 @@ async def diagnosis(
         "`PHASEWATCH_DIAGNOSIS_MIN_SAMPLES`.")] = None,
 ) -> Response:
     """One model's verdict (`model` given), or `{"items": [...]}` for every model with
-    requests in the window or its baseline."""
+    requests in the window or its baseline. Without `window`, `baseline`, `until` and
+    `min_samples`: the verdict the schedule holds now."""
     service: DiagnosisService = request.app.state.diagnosis
+    settings = service.settings
     try:
-        span = parse_duration(window)
+        span = (timedelta(seconds=settings.diagnosis_window_s) if window is None
+                else parse_duration(window))
     except ValueError as exc:
         return _invalid("window", str(exc), window)
     try:
-        spec = parse_baseline(baseline, service.settings.diagnosis_baseline_s)
+        spec = None if baseline is None else parse_baseline(baseline,
+                                                            settings.diagnosis_baseline_s)
     except ValueError as exc:
         return _invalid("baseline", str(exc), baseline)
     end = utc(until) or datetime.now(UTC)
     live = until is None  # requests in flight are known for the present only
+    scheduled = window is None and baseline is None and until is None and min_samples is None
+
+    async def one(name: str) -> dict[str, Any]:
+        if scheduled:
+            return await service.current(name, end)
+        # A past moment has no schedule state to read: the span before the window.
+        reference = spec if spec is not None else (
+            await service.reference(name, end, span) if until is None
+            else PreviousSpan(settings.diagnosis_baseline_s))
+        report = await service.diagnose(name, end, span, reference, min_samples, live)
+        return {**report, "source": "ad_hoc", "judged_at": _iso(end)}
+
     try:
         if model is not None:
-            answer = await service.diagnose(model, end, span, spec, min_samples, live)
+            answer: dict[str, Any] = await one(model)
         else:
-            models = await service.models(end, span, spec)
-            answer = {"items": [await service.diagnose(m, end, span, spec, min_samples, live)
-                                for m in models]}
+            models = await service.models(
+                end, span, spec or PreviousSpan(settings.diagnosis_baseline_s))
+            answer = {"items": [await one(m) for m in models]}
     except UnknownRun as exc:
         return _invalid("baseline", str(exc), baseline)
     return json_response(answer)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat()
 
 
 @router.get("/api/diagnosis/history", response_model=VerdictChangePage,

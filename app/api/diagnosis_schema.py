@@ -38,6 +38,13 @@ class DiagnosisBaseline(BaseModel):
     seconds: float = Field(description="Its length, seconds (a run's: first to last arrival, "
                            "widened by one mean gap).")
     run_id: str | None = Field(None, description="The run; present when `kind` is `run`.")
+    schedule_kind: Literal["previous", "healthy_reference", "frozen_at_onset"] | None = Field(
+        None, description="In the schedule's rounds: the span before the window "
+        "(`previous`), the last span judged healthy, frozen during an incident "
+        "(`healthy_reference`), or, with none known, the baseline when the incident began "
+        "(`frozen_at_onset`).")
+    known_healthy: bool | None = Field(None, description="In the schedule's rounds: whether "
+                                       "the baseline was judged healthy.")
 
 
 class LiveState(BaseModel):
@@ -85,6 +92,16 @@ class DiagnosisReport(BaseModel):
     evidence: Evidence = Field(description="Every comparison behind the verdict.")
     engine_metrics: EngineMetricsState | None = Field(description="The engine scrape's state; "
                                                       "null when the engine is not scraped.")
+    source: Literal["schedule", "on_demand", "ad_hoc"] = Field(
+        description="`schedule`: the schedule's latest round, the verdict the gauge, the "
+        "history and the alerts carry (the default question); `on_demand`: the default "
+        "question with no fresh round stored (the schedule is off or not yet run), judged now "
+        "as the schedule would; `ad_hoc`: a question with `window`, `baseline`, `until` or "
+        "`min_samples`.")
+    judged_at: str = Field(description="When it was judged (ISO 8601, UTC).")
+    round_verdict: Verdict | None = Field(None, description="The round's own verdict, where "
+                                          "the schedule holds another one until it has been "
+                                          "seen for its rounds; absent for `ad_hoc`.")
 
 
 class DiagnosisReports(BaseModel):

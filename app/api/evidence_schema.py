@@ -8,7 +8,8 @@ the `evidence()` of each comparison) and the route encodes them with orjson
 Every ratio is window / baseline. A figure the diagnosis could not compute (too few values,
 a division by zero) is null; a key marked "absent when ..." is left out of the object then.
 With `insufficient_data` the evidence holds `method`, `rules`, `samples`, `engine`,
-`ttft_proxy_vs_engine` and `checks.enough_samples` only.
+`ttft_proxy_vs_engine` and `checks.enough_samples` only. A window judged without a baseline
+(`checks.baseline_free`) holds those, `notes`, `slo` and the checks it read.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class DiagnosisRules(BaseModel):
                              "share of its SLO threshold (fraction) ...")
     large_rise: float = Field(description="... or when the rise is at least this ratio, "
                               "whatever the SLO.")
+    queue_negligible_share: float = Field(description="The engine's mean queue time under "
+                                          "this share of the window's TTFT median is no "
+                                          "queue (fraction).")
 
 
 class SampleEvidence(BaseModel):
@@ -133,8 +137,9 @@ class ProxyVsEngine(BaseModel):
 
 class Checks(BaseModel):
     """Every boolean the rules read (docs/diagnosis.md, "Which evidence decided"). Null: could
-    not be judged (no SLO, no engine metrics, too few values). Only `enough_samples` is present
-    when it is false."""
+    not be judged (no SLO, no engine metrics, too few values). When `enough_samples` is false,
+    only it is present, or (judged without a baseline) it, `baseline_free`, `window_meets_slo`
+    and `engine_queue_empty`."""
 
     enough_samples: bool = Field(description="Both sides have `min_samples` timed requests.")
     ttft_rising: bool | None = Field(None, description="Raw TTFT rose (material and "
@@ -166,6 +171,11 @@ class Checks(BaseModel):
                                             "the SLO; null: no SLO.")
     window_meets_slo: bool | None = Field(None, description="The window's p95s are within the "
                                           "SLO; null: no SLO.")
+    engine_queue_empty: bool | None = Field(None, description="The engine had nothing waiting "
+                                            "and (where it reports it) negligible queue time "
+                                            "over the window; null without engine metrics.")
+    baseline_free: bool | None = Field(None, description="Judged from the window, the SLO and "
+                                       "the engine alone: too few baseline requests.")
 
 
 class ComparisonSide(BaseModel):
@@ -385,5 +395,6 @@ class Evidence(BaseModel):
     slo: SloEvidence | None = Field(None, description="TTFT and ITL p95s against the SLO.")
     correlations: Correlations | None = Field(None, description="The relations the article "
                                               "reads.")
-    schedule: ScheduleEvidence | None = Field(None, description="The schedule's hold; in "
-                                              "stored verdict changes only.")
+    schedule: ScheduleEvidence | None = Field(None, description="The schedule's hold; in its "
+                                              "rounds (stored changes, `source` `schedule` "
+                                              "and `on_demand`) only.")

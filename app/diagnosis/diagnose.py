@@ -18,9 +18,16 @@ Rules, most specific cause first (docs/diagnosis.md explains each):
    baseline's TTFT p99 (and, if prompts grew, the request rate rose too) and ITL rising ->
    out_of_capacity; TTFT only -> queueing; ITL only -> decode_saturation (an ITL rise that
    comes with longer prompts and no more requests is prefill work, not decode batch). A rise
-   counts only if it matters against the SLO (`Rules.slo_*`): reported otherwise, not counted
+   counts only if it matters against the SLO (`Rules.slo_*`): reported otherwise, not counted.
+   The engine's own queue, where scraped (`on_its_own.engine_queue`), overrules: while it had
+   nothing waiting, TTFT rising with ITL is decode_saturation (first tokens wait behind
+   decode steps), and TTFT rising alone is unexplained (the wait is in front of the engine)
 5. prompts longer and TTFT or ITL rising -> prefill_bound
-6. otherwise healthy (at half confidence, and saying so, when the baseline misses the SLO).
+6. otherwise healthy, unless the window misses the SLO: healthy never does. Then the cause
+   the window and engine name on their own (`on_its_own.judge_alone`), else unexplained.
+
+Without enough baseline requests (a cold start) but enough in the window, the window is
+judged on its own the same way, marked `baseline_free`, at lower confidence.
 
 Confidence is built from bootstrap support (how often the deciding comparisons come out the
 same way on data like these), adjusted by the engine's corroboration. Pure: no clock, no I/O;
@@ -38,6 +45,12 @@ from phasewatch.core.quantiles import percentile
 from phasewatch.diagnosis.compare import Center, Shift, compare, finite
 from phasewatch.diagnosis.live_view import QueueEvidence, live_observations, queue_evidence
 from phasewatch.diagnosis.observations import EngineSignals, Observation, Sample, Stage
+from phasewatch.diagnosis.on_its_own import (
+    EngineQueue,
+    engine_queue,
+    judge_alone,
+    misses,
+)
 from phasewatch.diagnosis.prompt_adjust import Adjusted, adjusted_shift, relative_ttft
 from phasewatch.diagnosis.stalls import StallRules, Stalls, analyse_stalls
 from phasewatch.diagnosis.statistics import Correlation, rate_ratio_greater, spearman
@@ -77,6 +90,8 @@ class Rules:
     slo_itl_s: float | None = None
     slo_share: float = 0.75
     large_rise: float = 2.0
+    # The engine's mean queue time under this share of the window's TTFT median is no queue.
+    queue_negligible_share: float = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +320,8 @@ class Decision:
     notes: list[str]
 
 
-def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision:
+def _decide(m: Measures, engine: EngineSignals | None, queue: EngineQueue,
+            rules: Rules) -> Decision:
     prompt_up = m.prompt is not None and m.prompt.rising
     ttft_up = m.ttft is not None and m.ttft.rising
     # At equal prompt length and pace when the baseline covers the window's prompts; when it
@@ -360,9 +376,19 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
     elif interference:
         verdict = Verdict.INTERFERENCE
         confidence = s_stall
+    elif ttft_load and decode_load and queue is EngineQueue.EMPTY:
+        verdict = Verdict.DECODE_SATURATION
+        confidence = s_itl
+        notes.append("TTFT rose with ITL while the engine had nothing waiting: first tokens "
+                     "wait behind longer decode steps, not in a queue.")
     elif ttft_load and decode_load:
         verdict = Verdict.OUT_OF_CAPACITY
         confidence = s_ttft * s_itl
+    elif ttft_load and queue is EngineQueue.EMPTY:
+        verdict = Verdict.UNEXPLAINED
+        confidence = 0.5 * s_ttft * (1 - s_itl)
+        notes.append("TTFT rose, but the engine shows no waiting requests and negligible "
+                     "queue time: the wait is in front of it (proxy, network, API server).")
     elif ttft_load:
         verdict = Verdict.QUEUEING
         confidence = s_ttft * (1 - s_itl)
@@ -392,17 +418,24 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
                      "unchanged is not the same as normal. Compare with a known-good run "
                      "(baseline=run:<id>).")
 
-    # The engine's queue corroborates (or contradicts) a queueing verdict.
-    if (verdict in (Verdict.QUEUEING, Verdict.OUT_OF_CAPACITY) and engine is not None
-            and engine.waiting_max is not None and engine.scrapes >= 2):
-        if engine.waiting_max >= 1:
-            confidence = 1 - (1 - confidence) * 0.5
-            notes.append(f"The engine's queue agrees: {engine.waiting_mean or 0:.1f} requests "
-                         f"waiting on average, {engine.waiting_max:.0f} at most.")
-        else:
-            confidence *= 0.5
-            notes.append("The engine shows no waiting requests: the wait is in front of it "
-                         "(proxy, network, frontend).")
+    # The engine's queue corroborates a queueing verdict (it cannot contradict one: above).
+    if verdict in (Verdict.QUEUEING, Verdict.OUT_OF_CAPACITY) and queue is EngineQueue.WAITING:
+        assert engine is not None
+        confidence = 1 - (1 - confidence) * 0.5
+        notes.append(f"The engine's queue agrees: {engine.waiting_mean or 0:.1f} requests "
+                     f"waiting on average, {engine.waiting_max or 0:.0f} at most.")
+
+    window_misses = misses(lv.ttft_window, lv.itl_window, rules.slo_ttft_s, rules.slo_itl_s)
+    if verdict is Verdict.HEALTHY and window_misses.any:
+        # Unchanged from the baseline is not healthy when the window misses the SLO.
+        alone = judge_alone(window_misses, queue,
+                            None if engine is None else engine.running_mean)
+        assert alone is not None
+        verdict, confidence = alone.verdict, alone.confidence
+        notes.append("No change from the baseline names a cause, but the window misses the "
+                     "SLO" + (" (so did the baseline)" if baseline_clean is False else "")
+                     + ": judged from the window and the engine alone.")
+        notes.extend(alone.notes)
 
     checks: dict[str, bool | None] = {
         "enough_samples": True,
@@ -421,6 +454,9 @@ def _decide(m: Measures, engine: EngineSignals | None, rules: Rules) -> Decision
         "itl_rise_matters": itl_matters,
         "baseline_meets_slo": baseline_clean,
         "window_meets_slo": _meets(lv.ttft_window, lv.itl_window, rules),
+        "engine_queue_empty": None if queue is EngineQueue.UNKNOWN else (
+            queue is EngineQueue.EMPTY),
+        "baseline_free": False,
     }
     return Decision(verdict, round(min(1.0, max(0.0, confidence)), 4), judged, checks, notes)
 
@@ -516,6 +552,13 @@ def diagnose(
         "engine": _engine_evidence(engine),
         "ttft_proxy_vs_engine": _proxy_vs_engine(w_timed, engine),
     }
+    w_ttfts = sorted(o.ttft_s for o in w_timed if o.ttft_s is not None)
+    queue = engine_queue(engine, percentile(w_ttfts, 0.5) if w_ttfts else None,
+                         rules.queue_negligible_share)
+    if len(w_timed) >= rules.min_samples > len(b_timed):
+        alone = _baseline_free(w_timed, engine, queue, rules, evidence)
+        if alone is not None:
+            return alone
     if len(w_timed) < rules.min_samples or len(b_timed) < rules.min_samples:
         parts = []
         for name, sample, timed in (("window", window, w_timed), ("baseline", baseline, b_timed)):
@@ -533,7 +576,7 @@ def diagnose(
         )
 
     measures = _measure(window, baseline, w_timed, b_timed, rules)
-    decision = _decide(measures, engine, rules)
+    decision = _decide(measures, engine, queue, rules)
     evidence.update(_comparisons(measures, window, baseline, w_timed, engine, rules))
     evidence["checks"] = decision.checks
     evidence["notes"] = decision.notes
@@ -544,21 +587,60 @@ def diagnose(
     )
 
 
+def _baseline_free(w_timed: list[Observation], engine: EngineSignals | None,
+                   queue: EngineQueue, rules: Rules, evidence: dict[str, Any]) -> Finding | None:
+    """The window judged on its own (too few baseline requests): None when neither an SLO nor
+    the engine's figures can judge it."""
+    lv = _levels(w_timed, [], rules)
+    m = misses(lv.ttft_window, lv.itl_window, rules.slo_ttft_s, rules.slo_itl_s)
+    alone = judge_alone(m, queue, None if engine is None else engine.running_mean)
+    if alone is None:
+        return None
+    evidence["slo"] = {
+        "ttft_threshold_s": rules.slo_ttft_s, "itl_threshold_s": rules.slo_itl_s,
+        "share_that_matters": rules.slo_share,
+        "ttft_p95_window_s": _f(lv.ttft_window), "itl_p95_window_s": _f(lv.itl_window),
+        "ttft_p95_baseline_s": None, "itl_p95_baseline_s": None,
+    }
+    evidence["checks"] = {
+        "enough_samples": False, "baseline_free": True,
+        "window_meets_slo": _meets(lv.ttft_window, lv.itl_window, rules),
+        "engine_queue_empty": None if queue is EngineQueue.UNKNOWN else (
+            queue is EngineQueue.EMPTY),
+    }
+    notes = [f"No baseline yet (fewer than {rules.min_samples} timed requests before the "
+             "window): judged from the window, the SLO and the engine alone, at lower "
+             "confidence.", *alone.notes]
+    evidence["notes"] = notes
+    levels = [f"TTFT p95 {_ms(lv.ttft_window)}" if lv.ttft_window is not None else None,
+              f"ITL p95 {_ms(lv.itl_window)}" if lv.itl_window is not None else None]
+    slos = [f"{_ms(v)}" for v in (rules.slo_ttft_s, rules.slo_itl_s) if v is not None]
+    summary = (f"{_HEAD[alone.verdict]} (no baseline): "
+               + ", ".join(x for x in levels if x is not None)
+               + (f" against SLO thresholds {' / '.join(slos)}" if slos else "")
+               + "." + "".join(" " + n for n in notes))
+    return Finding(alone.verdict, round(alone.confidence, 4), summary, evidence)
+
+
+_HEAD = {
+    Verdict.HEALTHY: "Healthy",
+    Verdict.QUEUEING: "Queueing",
+    Verdict.DECODE_SATURATION: "Decode saturation",
+    Verdict.OUT_OF_CAPACITY: "Out of capacity",
+    Verdict.PREFILL_BOUND: "Prefill-bound",
+    Verdict.INTERFERENCE: "Interference",
+    Verdict.KV_PRESSURE: "KV-cache pressure",
+    Verdict.UNEXPLAINED: "Unexplained",
+    Verdict.INSUFFICIENT_DATA: "Insufficient data",
+}
+
+
 def _summary(
     verdict: Verdict, m: Measures, judged: Shift | None, engine: EngineSignals | None,
     notes: list[str],
 ) -> str:
     ttft, itl, prompt, concurrency, stalls = m.ttft, m.itl, m.prompt, m.concurrency, m.stalls
-    head = {
-        Verdict.HEALTHY: "Healthy",
-        Verdict.QUEUEING: "Queueing",
-        Verdict.DECODE_SATURATION: "Decode saturation",
-        Verdict.OUT_OF_CAPACITY: "Out of capacity",
-        Verdict.PREFILL_BOUND: "Prefill-bound",
-        Verdict.INTERFERENCE: "Interference",
-        Verdict.KV_PRESSURE: "KV-cache pressure",
-        Verdict.INSUFFICIENT_DATA: "Insufficient data",
-    }[verdict]
+    head = _HEAD[verdict]
     parts = [_shift_text("TTFT", ttft), _shift_text("ITL", itl)]
     if judged is not None and judged is not ttft:
         parts.insert(1, f"at equal prompt length and pace {judged.ratio:.2f}x")

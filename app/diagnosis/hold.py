@@ -148,3 +148,32 @@ def _remember(before: Held, new: Held, r: Round, rules: HoldRules) -> Held:
         since = max(since, r.window.until_s - rules.reference_s)
         new = replace(new, healthy=Span(since, r.window.until_s))
     return new
+
+
+def held_as_json(held: Held) -> dict[str, Any]:
+    """The state as stored with the schedule's latest round (a new leader resumes from it)."""
+    def span(s: Span | None) -> list[float] | None:
+        return None if s is None else [s.since_s, s.until_s]
+
+    return {
+        "verdict": None if held.verdict is None else held.verdict.value,
+        "confidence": held.confidence, "since_s": held.since_s,
+        "candidate": None if held.candidate is None else held.candidate.value,
+        "candidate_rounds": held.candidate_rounds, "healthy": span(held.healthy),
+        "onset_baseline": span(held.onset_baseline),
+        "incident_until_s": held.incident_until_s,
+    }
+
+
+def held_from_json(data: dict[str, Any]) -> Held:
+    """`held_as_json` read back; a verdict this build does not know starts afresh."""
+    def verdict(value: Any) -> Verdict | None:
+        return Verdict(value) if value in Verdict._value2member_map_ else None
+
+    def span(value: Any) -> Span | None:
+        return None if not value else Span(float(value[0]), float(value[1]))
+
+    return Held(verdict(data.get("verdict")), float(data.get("confidence") or 0.0),
+                data.get("since_s"), verdict(data.get("candidate")),
+                int(data.get("candidate_rounds") or 0), span(data.get("healthy")),
+                span(data.get("onset_baseline")), data.get("incident_until_s"))

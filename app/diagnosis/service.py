@@ -9,9 +9,13 @@ same question the same. `run` is the schedule, run by the leading process only
 most `max_model_labels`, only names the upstream served; a model gone quiet loses its gauges)
 (`_round`: the recent window when it holds enough requests; the frozen healthy reference as
 baseline while an incident is held or pending; hysteresis, app/diagnosis/hold.py), sets
-`phasewatch_diagnosis_verdict` / `_confidence` to the verdict it holds, and stores each change of
-it with its evidence; when it stops (the process no longer leads) it withdraws its gauges. Any
-fault (database, engine, evaluation) is logged and counted and the schedule goes on; nothing here
+`phasewatch_diagnosis_verdict` / `_confidence` to the verdict it holds, stores each change of
+it with its evidence, and replaces each model's latest round (`diagnosis_latest`: the report
+and the state between rounds); when it stops (the process no longer leads) it withdraws its
+gauges. `current` is the default question's answer in every process: that latest round while
+it is fresh, so the endpoint, the gauge, the history and the alert say one verdict; else a round
+judged on demand as the schedule would judge it, from its last stored state. Any fault
+(database, engine, evaluation) is logged and counted and the schedule goes on; nothing here
 touches the relay.
 """
 
@@ -30,17 +34,30 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from phasewatch.core.live import InFlight
 from phasewatch.core.settings import Settings
 from phasewatch.diagnosis.diagnose import Finding, Rules, diagnose
-from phasewatch.diagnosis.hold import BaselineKind, Held, HoldRules, Round, Span, baseline_for, step
+from phasewatch.diagnosis.hold import (
+    BaselineKind,
+    Held,
+    HoldRules,
+    Round,
+    Span,
+    baseline_for,
+    held_as_json,
+    held_from_json,
+    step,
+)
 from phasewatch.diagnosis.metrics import DiagnosisMetrics
 from phasewatch.diagnosis.observations import Observation, Sample, traffic_span_s
-from phasewatch.diagnosis.verdicts import Verdict
+from phasewatch.diagnosis.verdicts import ACTIONS, MEANING, Verdict
 from phasewatch.engine.codec import snapshot_from_json
 from phasewatch.engine.window import EngineWindow, summarize
 from phasewatch.store.diagnoses import (
     RequestSpan,
     active_models,
     add_diagnosis,
+    drop_latest,
     latest_verdicts,
+    put_latest,
+    read_latest,
     read_observations,
     run_request_count,
     still_served,
@@ -152,6 +169,7 @@ class DiagnosisService:
         self._stored: dict[str, str] | None = None  # last stored verdict per model
         self._exported: list[str] = []  # models whose verdict the gauges hold
         self._held: dict[str, Held] = {}  # the schedule's state per model (app/diagnosis/hold)
+        self._resume: dict[str, Held] = {}  # the stored state a new leader starts from
         self.hold_rules = HoldRules(settings.diagnosis_hold_rounds,
                                     settings.diagnosis_switch_confidence,
                                     settings.diagnosis_baseline_s)
@@ -244,7 +262,7 @@ class DiagnosisService:
         """The schedule: evaluate, then wait `diagnosis_interval_s`, until cancelled. Each run
         starts afresh (another process may have led, and stored changes, in between) and
         withdraws the gauges when it ends, so only the process that runs it exports them."""
-        self._stored, self._exported, self._held = None, [], {}
+        self._stored, self._exported, self._held, self._resume = None, [], {}, {}
         try:
             while True:
                 try:
@@ -265,20 +283,27 @@ class DiagnosisService:
         for the models judged."""
         now = now or datetime.now(UTC)
         models = await self._to_judge(now)
-        for model in self._exported:
-            if model not in models:
-                self._held.pop(model, None)
-                if self.metrics is not None:
-                    self.metrics.remove(model)
+        gone = [model for model in self._exported if model not in models]
+        for model in gone:
+            self._held.pop(model, None)
+            if self.metrics is not None:
+                self.metrics.remove(model)
+        if gone:
+            async with self.sessionmaker() as session:
+                await drop_latest(session, gone)
         self._exported = models
         if self._stored is None:
             async with self.sessionmaker() as session:
                 self._stored = await latest_verdicts(session)
+                self._resume = {model: held_from_json(latest.held)
+                                for model, latest in (await read_latest(session)).items()}
         judged: dict[str, str] = {}
         for model in models:
             if model not in self._held:
-                stored = self._stored.get(model)  # a new leader holds what was stored
-                self._held[model] = Held(None if stored is None else Verdict(stored))
+                # A new leader resumes the stored state, or at least holds the stored verdict.
+                stored = self._stored.get(model)
+                resumed = self._resume.pop(model, None)
+                self._held[model] = resumed or Held(None if stored is None else Verdict(stored))
             try:
                 report = await self._round(model, now)
             except Exception as exc:
@@ -294,7 +319,53 @@ class DiagnosisService:
                 self.metrics.set(model, Verdict(verdict), confidence)
             if self._stored.get(model) != verdict:
                 await self._store_change(model, now, report)
+            await self._store_latest(model, now, report)
         return judged
+
+    @property
+    def fresh_s(self) -> float:
+        """How old the latest stored round may be and still be the schedule's current view:
+        three rounds (a slow round, a missed one) and a little."""
+        return 3 * self.settings.diagnosis_interval_s + 5.0
+
+    async def current(self, model: str, now: datetime) -> dict[str, Any]:
+        """The schedule's verdict on `model` now (the default `GET /api/diagnosis`): its
+        latest round while fresh, else one judged now as the schedule would, from its last
+        stored state (`source` says which; neither is stored)."""
+        async with self.sessionmaker() as session:
+            latest = (await read_latest(session, [model])).get(model)
+        if (latest is not None and self.settings.diagnosis_interval_s > 0
+                and (now - latest.at).total_seconds() <= self.fresh_s):
+            return {**latest.report, "source": "schedule", "judged_at": _iso(latest.at)}
+        held = Held() if latest is None else held_from_json(latest.held)
+        report, _ = await self._judge_round(held, model, now)
+        return {**report, "source": "on_demand", "judged_at": _iso(now)}
+
+    async def reference(self, model: str, now: datetime, window: timedelta) -> Baseline:
+        """What the schedule would compare a window ending `now` with: the span before it,
+        or, while it holds an incident, its frozen reference."""
+        async with self.sessionmaker() as session:
+            latest = (await read_latest(session, [model])).get(model)
+        start = (now - window).timestamp()
+        previous = Span(start - self.settings.diagnosis_baseline_s, start)
+        span, kind = baseline_for(Held() if latest is None else held_from_json(latest.held),
+                                  previous)
+        if kind is BaselineKind.PREVIOUS:
+            return PreviousSpan(self.settings.diagnosis_baseline_s)
+        return TimeRange(datetime.fromtimestamp(span.since_s, UTC),
+                         datetime.fromtimestamp(span.until_s, UTC))
+
+    async def _store_latest(self, model: str, now: datetime, report: dict[str, Any]) -> None:
+        try:
+            async with self.sessionmaker() as session:
+                await put_latest(session, model=model, at=now, verdict=report["verdict"],
+                                 confidence=report["confidence"], report=report,
+                                 held=held_as_json(self._held[model]))
+        except Exception as exc:  # the next round replaces it
+            log.warning("storing the latest diagnosis of %r failed (%s: %s)", model,
+                        type(exc).__name__, str(exc)[:200])
+            if self.metrics is not None:
+                self.metrics.failures.inc()
 
     async def _to_judge(self, now: datetime) -> list[str]:
         """At most `max_model_labels` models the upstream served within the window and the
@@ -321,11 +392,16 @@ class DiagnosisService:
         return (kept + [m for m in recent if m not in held])[:limit]
 
     async def _round(self, model: str, now: datetime) -> dict[str, Any]:
-        """One model's round: the recent window if it holds enough requests, else the whole
-        window; against the span before it, or, while an incident is held or pending, the
-        frozen reference (app/diagnosis/hold.py). Returns the report with the held verdict
-        and the schedule's evidence (`schedule`)."""
-        held = self._held[model]
+        """One model's round of the schedule, its state kept for the next."""
+        report, self._held[model] = await self._judge_round(self._held[model], model, now)
+        return report
+
+    async def _judge_round(self, held: Held, model: str,
+                           now: datetime) -> tuple[dict[str, Any], Held]:
+        """One model's round from state `held`: the recent window if it holds enough
+        requests, else the whole window; against the span before it, or, while an incident is
+        held or pending, the frozen reference (app/diagnosis/hold.py). Returns the report with
+        the held verdict and the schedule's evidence (`schedule`), and the new state."""
         full_s = self.settings.diagnosis_window_s
         tries: list[tuple[timedelta, Baseline, BaselineKind]] = []
         for seconds in sorted({min(self.settings.diagnosis_recent_s, full_s), full_s}):
@@ -361,15 +437,20 @@ class DiagnosisService:
             Span(datetime.fromisoformat(b["since"]).timestamp(),
                  datetime.fromisoformat(b["until"]).timestamp()),
             checks.get("window_meets_slo"), kind), self.hold_rules)
-        self._held[model] = new
         if kind is BaselineKind.FROZEN_AT_ONSET:
             report["summary"] += (" No known-healthy baseline: compared with the span before "
                                   "the incident began, which was never judged healthy.")
         assert new.verdict is not None
         report["evidence"]["schedule"] = moved
         report["round_verdict"] = report["verdict"]
+        if new.verdict.value != report["verdict"]:
+            # The report speaks for the verdict held; the round's own reading follows it.
+            report["summary"] = (f"Held: {new.verdict.value} ({moved['because']}); this "
+                                 f"round: {report['summary']}")
+            report["meaning"] = MEANING[new.verdict]
+            report["actions"] = [a.as_dict() for a in ACTIONS[new.verdict]]
         report["verdict"], report["confidence"] = new.verdict.value, new.confidence
-        return report
+        return report, new
 
     async def _store_change(self, model: str, now: datetime, report: dict[str, Any]) -> None:
         assert self._stored is not None

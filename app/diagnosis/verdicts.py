@@ -1,4 +1,4 @@
-"""The eight verdicts, what each means, and what to do about it.
+"""The nine verdicts, what each means, and what to do about it.
 
 Actions come from the article's "Dial it in" table and its production advice (seed article,
 "Prefill vs Decode"): the knob, which way to move it, and why. A verdict's value is also its
@@ -19,6 +19,7 @@ class Verdict(StrEnum):
     PREFILL_BOUND = "prefill_bound"
     INTERFERENCE = "interference"
     KV_PRESSURE = "kv_pressure"
+    UNEXPLAINED = "unexplained"
     INSUFFICIENT_DATA = "insufficient_data"
 
 
@@ -34,6 +35,8 @@ MEANING: dict[Verdict, str] = {
     Verdict.INTERFERENCE: "Streams stall mid-output while long prompts prefill: long prefills "
     "hold up everyone's decode steps.",
     Verdict.KV_PRESSURE: "The engine's KV cache is near full and it preempts sequences.",
+    Verdict.UNEXPLAINED: "TTFT or ITL misses its SLO (or rose where it matters) and the "
+    "evidence names none of the known causes; what it ruled out is in the evidence.",
     Verdict.INSUFFICIENT_DATA: "Too few requests to tell a change from noise.",
 }
 
@@ -105,6 +108,14 @@ ACTIONS: dict[Verdict, tuple[Action, ...]] = {
                "it caps the KV cache each sequence can claim"),
         Action("KV cache size", "give it more memory (--gpu-memory-utilization, a larger GPU)",
                "preempted sequences are recomputed from scratch: wasted prefill and stalls"),
+    ),
+    Verdict.UNEXPLAINED: (
+        Action("baseline", "compare with a known-good run (baseline=run:<id>) or span",
+               "a change against healthy traffic names a cause that one window alone cannot"),
+        Action("engine metrics", "scrape them if they are not (PHASEWATCH_ENGINE_METRICS_ENABLED)",
+               "the engine's waiting count, batch and queue time tell a queue from slow steps"),
+        Action("the path in front of the engine", "look at the API server, network and proxy",
+               "time spent before the engine's queue shows in TTFT and nowhere in the engine"),
     ),
     Verdict.INSUFFICIENT_DATA: (
         Action("window", "widen it or wait for traffic",

@@ -80,6 +80,12 @@ VERDICTS: dict[str, str] = {
         "sequences are evicted and recomputed. Lower --max-num-seqs or --max-model-len, or "
         "give the engine more KV memory."
     ),
+    "unexplained": (
+        "TTFT or ITL misses its objective (or rose where it matters) and no known cause fits "
+        "the evidence: not the engine's queue, batch or KV cache. Compare with a known-good "
+        "run (baseline=run:<id>), check the engine's metrics are scraped, and look in front "
+        "of the engine (API server, network, proxy)."
+    ),
 }
 QUIET_VERDICTS = ("healthy", "insufficient_data")
 
@@ -241,7 +247,7 @@ def _burn_alerts(spec: SloSpec, slo: SloName) -> list[Rule]:
                     "diagnosis": (
                         f"GET {spec.diagnosis_url} names the broken phase for "
                         "{{ $labels.model }} (queueing, prefill_bound, decode_saturation, "
-                        "out_of_capacity, interference, kv_pressure)."
+                        "out_of_capacity, interference, kv_pressure, unexplained)."
                     ),
                 },
             })

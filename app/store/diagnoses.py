@@ -1,4 +1,5 @@
-"""Reads for the diagnosis (requests of a span, runs, active models) and its verdict history.
+"""Reads for the diagnosis (requests of a span, runs, active models), its verdict history and
+the schedule's latest round per model.
 
 A span may hold far more requests than a diagnosis needs (an hour at 50 requests/s is 180,000
 rows), so `read_observations` counts the span first and, past `limit`, reads an even thinning
@@ -20,13 +21,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Float, func, literal, select
+from sqlalchemy import ColumnElement, Float, delete, func, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-from phasewatch.store.models import Diagnosis, RequestRow
+from phasewatch.store.models import Diagnosis, DiagnosisLatest, RequestRow
 from phasewatch.store.queries import PARTITION_ROWS, page
 
 
@@ -178,3 +179,42 @@ async def list_diagnoses(
     if cursor is not None:
         query = query.where(Diagnosis.id < cursor)
     return await page(session, query, limit, lambda row: row.id)
+
+
+@dataclass(frozen=True, slots=True)
+class LatestRound:
+    """The schedule's latest round for one model (`DiagnosisLatest`)."""
+
+    model: str
+    at: datetime
+    report: dict[str, Any]
+    held: dict[str, Any]
+
+
+async def put_latest(session: AsyncSession, *, model: str, at: datetime, verdict: str,
+                     confidence: float, report: dict[str, Any], held: dict[str, Any]) -> None:
+    """Replace `model`'s latest round."""
+    await session.execute(delete(DiagnosisLatest).where(DiagnosisLatest.model == model[:255]))
+    await session.execute(insert(DiagnosisLatest).values(
+        model=model[:255], at=at, verdict=verdict, confidence=confidence, report=report,
+        held=held))
+    await session.commit()
+
+
+async def drop_latest(session: AsyncSession, models: Sequence[str]) -> None:
+    """Forget the latest rounds of models the schedule no longer judges."""
+    if models:
+        await session.execute(delete(DiagnosisLatest).where(DiagnosisLatest.model.in_(models)))
+        await session.commit()
+
+
+async def read_latest(session: AsyncSession,
+                      models: Sequence[str] | None = None) -> dict[str, LatestRound]:
+    """The latest round of each of `models` that has one (of every model: None)."""
+    query = select(DiagnosisLatest.model, DiagnosisLatest.at, DiagnosisLatest.report,
+                   DiagnosisLatest.held)
+    if models is not None:
+        query = query.where(DiagnosisLatest.model.in_(list(models)))
+    result = await session.execute(query)
+    return {model: LatestRound(model, at, report, held)
+            for model, at, report, held in result}

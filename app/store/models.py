@@ -195,6 +195,21 @@ class Diagnosis(Base):
     __table_args__ = (Index("ix_diagnoses_model_at", "model", "at"),)
 
 
+class DiagnosisLatest(Base):
+    """The schedule's latest round for one model: the verdict it holds, the report behind it and
+    its state between rounds (app/diagnosis/hold.py), replaced every round. What the default
+    `GET /api/diagnosis` answers in every process, and what a new leader resumes from."""
+
+    __tablename__ = "diagnosis_latest"
+
+    model: Mapped[str] = mapped_column(String(255), primary_key=True)
+    at: Mapped[datetime]
+    verdict: Mapped[str] = mapped_column(String(32))
+    confidence: Mapped[float] = mapped_column(Float)
+    report: Mapped[dict[str, Any]]
+    held: Mapped[dict[str, Any]]
+
+
 class EngineScrape(Base):
     """One scrape of the engine's `/metrics` by the leading process (app/store/leader.py), so
     every worker and replica diagnoses from the same scrapes."""

@@ -77,3 +77,13 @@ def test_evidence_without_the_engine(api: ApiSchema) -> None:
     assert found["engine"] is None and found["ttft_proxy_vs_engine"] is None
     assert found["checks"]["kv_pressure"] is None
     assert api.problems(found, api.component("Evidence")) == []
+
+
+def test_evidence_of_a_window_judged_without_a_baseline(api: ApiSchema) -> None:
+    rng = random.Random(8)
+    window = Sample(finished(40, 1000.0, 0.9, rng), 40.0, 40)
+    finding = diagnose(window, Sample([], 60.0, 0), ENGINE,
+                       Rules(slo_ttft_s=0.5, slo_itl_s=0.04))
+    assert finding.verdict.value == "queueing"  # the engine's queue names the cause
+    assert finding.evidence["checks"]["baseline_free"] is True
+    assert api.problems(finding.evidence, api.component("Evidence")) == []

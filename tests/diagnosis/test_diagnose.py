@@ -202,10 +202,34 @@ def test_the_engine_queue_corroborates_queueing() -> None:
     alone = diagnose(window, BASE)
     backed = diagnose(window, BASE, engine(waiting_max=5.0, waiting_mean=2.0))
     contradicted = diagnose(window, BASE, engine(waiting_max=0.0, waiting_mean=0.0))
-    assert alone.verdict is backed.verdict is contradicted.verdict is Verdict.QUEUEING
-    assert contradicted.confidence < alone.confidence <= backed.confidence
-    assert "in front of it" in contradicted.summary
+    assert alone.verdict is backed.verdict is Verdict.QUEUEING
+    assert alone.confidence <= backed.confidence
     assert "queue agrees" in backed.summary
+    # Nothing waited in the engine: the wait is not a queue for its slots.
+    check(contradicted, Verdict.UNEXPLAINED)
+    assert contradicted.confidence < alone.confidence
+    assert "in front of it" in contradicted.summary
+    assert contradicted.evidence["checks"]["engine_queue_empty"] is True
+    # Nor when the engine's queue time, which covers every request, is negligible.
+    short_waits = engine(waiting_max=0.0, waiting_mean=0.0, queue_time_mean_s=0.001)
+    assert diagnose(window, BASE, short_waits).verdict is Verdict.UNEXPLAINED
+    long_waits = engine(waiting_max=0.0, waiting_mean=0.0, queue_time_mean_s=0.1)
+    assert diagnose(window, BASE, long_waits).verdict is Verdict.QUEUEING
+
+
+def test_ttft_rising_with_itl_and_nothing_waiting_in_the_engine_is_decode_saturation() -> None:
+    """The real-vLLM case: the decode batch grew under the cap, each step is much longer, and
+    first tokens wait behind those steps (TTFT up too), while the engine reports nothing
+    waiting. Without the engine's figures that reads out_of_capacity; with them, decode
+    saturation, whatever the poll."""
+    window = sample(traffic(150, 8, start=SPAN, itl=0.018, ttft=lambda p: 1.5 + 1e-4 * p,
+                           in_flight=(30, 60)))
+    assert diagnose(window, BASE).verdict is Verdict.OUT_OF_CAPACITY
+    idle_queue = engine(waiting_max=0.0, waiting_mean=0.0, running_mean=40.0, running_max=60.0)
+    finding = diagnose(window, BASE, idle_queue)
+    check(finding, Verdict.DECODE_SATURATION)
+    assert "behind longer decode steps" in finding.summary
+    assert finding.evidence["engine"]["running_mean"] == 40.0
 
 
 def test_proxy_and_engine_ttft_side_by_side() -> None:

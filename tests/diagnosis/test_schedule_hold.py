@@ -10,12 +10,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from phasewatch.core.db import create_engine, create_sessionmaker
 from phasewatch.core.live import InFlight
 from phasewatch.core.settings import load_settings
 from phasewatch.diagnosis import service as service_module
+from phasewatch.diagnosis.metrics import DiagnosisMetrics
 from phasewatch.diagnosis.service import DiagnosisService, PreviousSpan
 from phasewatch.store.diagnoses import list_diagnoses
 from phasewatch.store.live_snapshots import put_snapshot, read_fresh
@@ -53,11 +55,14 @@ async def test_a_long_incident_stays_named_and_its_baseline_is_not_absorbed(
         assert first == 30, held
         # After the incident the verdict returns to healthy, again after two rounds.
         assert held[-1][1] == "healthy", held
-        # Without the frozen baseline the last minutes of the incident read healthy: the
-        # span before the window was all incident by then.
+        # Without the frozen baseline the last minutes of the incident show no change: the
+        # span before the window was all incident by then. No cause is named, but the window
+        # misses the SLO, so it is not healthy either.
         late = T0 + timedelta(seconds=HEALTHY_S + INCIDENT_S - 10)
         plain = await service.diagnose("m", late, timedelta(seconds=60), PreviousSpan(300))
-        assert plain["verdict"] == "healthy"
+        assert plain["verdict"] == "unexplained"
+        assert plain["evidence"]["checks"]["ttft_rising"] is False
+        assert plain["evidence"]["checks"]["window_meets_slo"] is False
         async with service.sessionmaker() as session:
             stored, _ = await list_diagnoses(session, "m", 10, None)
         assert [d.verdict for d in reversed(stored)] == ["healthy", "queueing", "healthy"]
@@ -117,5 +122,52 @@ async def test_a_round_reads_the_requests_in_flight_once_for_all_its_tries(
         assert [r["window"]["seconds"] for r in reports] == [60.0, 300.0]
         assert [r["live"]["requests"] for r in reports] == [3, 3]
         assert len(reads) == 1
+    finally:
+        await engine.dispose()
+
+
+async def test_every_default_surface_says_one_verdict_through_a_long_incident(
+        sqlite_url: str) -> None:
+    """A 30-minute incident, a round every 30 s: after each, the default question (what
+    `GET /api/diagnosis` answers, here and in another process), the verdict gauge and the last
+    stored change say the same verdict, and from its first detection to its end it is never
+    healthy. A process with no fresh round to read (the schedule off) judges the moment as the
+    schedule would, from the stored state: not healthy either."""
+    await asyncio.to_thread(upgrade, sqlite_url)
+    await asyncio.to_thread(insert, sqlite_url, [
+        *rows("m", T0, HEALTHY_S, HEALTHY_S, seed=1),
+        *rows("m", T0 + timedelta(seconds=HEALTHY_S), INCIDENT_S, INCIDENT_S, ttft=2.0, seed=2),
+        *rows("m", T0 + timedelta(seconds=HEALTHY_S + INCIDENT_S), 300, 300, seed=3),
+    ])
+    common = {"database_url": sqlite_url, "diagnosis_window_s": 60, "diagnosis_recent_s": 60,
+              "diagnosis_baseline_s": 300, "engine_metrics_enabled": False}
+    settings = load_settings(diagnosis_interval_s=30, **common)
+    engine = create_engine(sqlite_url)
+    registry = CollectorRegistry()
+    sessionmaker = create_sessionmaker(engine)
+    service = DiagnosisService(sessionmaker, settings, DiagnosisMetrics(registry))
+    elsewhere = DiagnosisService(sessionmaker, settings)  # another worker: no schedule
+    unscheduled = DiagnosisService(sessionmaker, load_settings(diagnosis_interval_s=0, **common))
+    seen: list[tuple[int, str]] = []
+    try:
+        for second in range(360, HEALTHY_S + INCIDENT_S + 300, 30):
+            now = T0 + timedelta(seconds=second)
+            held = (await service.evaluate_all(now=now))["m"]
+            here, there = await service.current("m", now), await elsewhere.current("m", now)
+            assert here["verdict"] == there["verdict"] == held, second
+            assert here["source"] == there["source"] == "schedule"
+            assert registry.get_sample_value(
+                "phasewatch_diagnosis_verdict", {"model": "m", "verdict": held}) == 1
+            async with sessionmaker() as session:
+                last, _ = await list_diagnoses(session, "m", 1, None)
+            assert last[0].verdict == held
+            seen.append((second - HEALTHY_S, held))
+            if 60 <= second - HEALTHY_S <= INCIDENT_S:
+                alone = await unscheduled.current("m", now)
+                assert alone["source"] == "on_demand"
+                assert alone["verdict"] != "healthy", (second, alone["summary"])
+        first = min(t for t, v in seen if v != "healthy")
+        assert all(v != "healthy" for t, v in seen if first <= t <= INCIDENT_S), seen
+        assert seen[-1][1] == "healthy"
     finally:
         await engine.dispose()

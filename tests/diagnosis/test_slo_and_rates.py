@@ -6,6 +6,7 @@ from __future__ import annotations
 from phasewatch.diagnosis.diagnose import Rules, diagnose
 from phasewatch.diagnosis.observations import Sample, traffic_span_s
 from phasewatch.diagnosis.verdicts import Verdict
+from phasewatch.engine.window import EngineWindow
 from tests.diagnosis.test_diagnose import SPAN, sample, traffic
 
 SLO = Rules(slo_ttft_s=0.5, slo_itl_s=0.040)
@@ -53,18 +54,23 @@ def test_a_rise_close_to_the_slo_matters() -> None:
 
 def test_an_unchanged_present_that_misses_the_slo_is_not_called_normal() -> None:
     """Baseline and window both queue at ~2-4 s (an overload the baseline already had): no
-    change, but the answer says there is no clean baseline, at low confidence."""
+    change names a cause, but a window that misses the SLO is never healthy: unexplained,
+    saying the baseline missed it too, at low confidence; with the engine's figures, the
+    cause they name."""
     def slow(p: int) -> float:
         return 100 * (0.030 + 1e-4 * p)
 
     base = sample(traffic(100, 7, ttft=slow))
     window = sample(traffic(100, 8, start=SPAN, ttft=slow))
     finding = diagnose(window, base, rules=SLO)
-    assert finding.verdict is Verdict.HEALTHY
+    assert finding.verdict is Verdict.UNEXPLAINED
     assert finding.confidence <= 0.5
     checks = finding.evidence["checks"]
     assert checks["baseline_meets_slo"] is False and checks["window_meets_slo"] is False
-    assert "No clean baseline" in finding.summary
+    assert checks["ttft_rising"] is False
+    assert "misses the SLO (so did the baseline)" in finding.summary
+    queued = EngineWindow(scrapes=10, waiting_max=12.0, waiting_mean=8.0)
+    assert diagnose(window, base, queued, rules=SLO).verdict is Verdict.QUEUEING
     clean = diagnose(sample(traffic(100, 9, start=SPAN)), sample(traffic(100, 10)), rules=SLO)
     assert clean.evidence["checks"]["baseline_meets_slo"] is True
     assert clean.confidence > 0.9 and "No clean baseline" not in clean.summary
