@@ -423,10 +423,27 @@ class DiagnosisService:
         # once (a thousand requests each, parsed, at every try otherwise).
         async with self.sessionmaker() as session:
             fresh = await self._read_fresh(session, now)
+        # The first try that judges both phases; else the first that judges at all. A recent
+        # window with enough first tokens but too few token gaps (long decode steps, streams
+        # still running) would read a TTFT rise alone, and flip with the rounds that can
+        # compare ITL.
+        # (A window that judged moves on to the next window, never to its own fallback
+        # baseline: that is for a frozen baseline too thin to judge with.)
+        usable: tuple[dict[str, Any], BaselineKind] | None = None
+        judged: timedelta | None = None
         for window, baseline, tried in tries:
+            if window == judged:
+                continue
             report, kind = await self.diagnose(model, now, window, baseline, fresh=fresh), tried
-            if report["verdict"] != Verdict.INSUFFICIENT_DATA.value:
+            if report["verdict"] == Verdict.INSUFFICIENT_DATA.value:
+                continue
+            usable, judged = usable or (report, kind), window
+            evidence = report["evidence"]
+            if evidence.get("itl") is not None or evidence.get("itl_in_flight") is not None:
+                usable = (report, kind)
                 break
+        if usable is not None:
+            report, kind = usable
         report["baseline"]["schedule_kind"] = kind.value
         report["baseline"]["known_healthy"] = kind is BaselineKind.HEALTHY_REFERENCE
         w, b = report["window"], report["baseline"]

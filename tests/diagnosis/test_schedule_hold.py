@@ -171,3 +171,33 @@ async def test_every_default_surface_says_one_verdict_through_a_long_incident(
         assert seen[-1][1] == "healthy"
     finally:
         await engine.dispose()
+
+
+async def test_a_round_judges_both_phases_where_it_can(sqlite_url: str) -> None:
+    """The last minute has first tokens but no token gaps yet (long decode steps): a TTFT rise
+    alone there. The whole window compares both phases, so the round reads it, not a
+    queueing the next round's ITL would contradict."""
+    await asyncio.to_thread(upgrade, sqlite_url)
+    gapless = rows("m", T0 + timedelta(seconds=540), 60, 60, ttft=2.0, itl=0.03, seed=3)
+    for row in gapless:
+        row.itl_count, row.itl_p50_s = 1, None
+    await asyncio.to_thread(insert, sqlite_url, [
+        *rows("m", T0, 480, 480, seed=1),
+        *rows("m", T0 + timedelta(seconds=480), 60, 60, ttft=2.0, itl=0.03, seed=2),
+        *gapless,
+    ])
+    settings = load_settings(database_url=sqlite_url, diagnosis_window_s=120,
+                             diagnosis_recent_s=60, diagnosis_baseline_s=300,
+                             engine_metrics_enabled=False)
+    engine = create_engine(sqlite_url)
+    service = DiagnosisService(create_sessionmaker(engine), settings)
+    now = T0 + timedelta(seconds=600)
+    try:
+        recent = await service.diagnose("m", now, timedelta(seconds=60), PreviousSpan(300))
+        assert recent["verdict"] == "queueing" and recent["evidence"]["itl"] is None
+        assert await service.evaluate_all(now=now) == {"m": "out_of_capacity"}
+        report = await service.current("m", now)
+        assert report["window"]["seconds"] == 120.0
+        assert report["evidence"]["checks"]["itl_rising"] is True
+    finally:
+        await engine.dispose()
