@@ -38,7 +38,7 @@ typecheck: install
 # The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
 test: install lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 # The native leg's C (app/proxy/csrc/) under the sanitizers. Both need Debian's clang-14,
 # libfuzzer-14-dev and gcc's libasan (.ci/run installs them).
