@@ -337,13 +337,17 @@ class Correlations(BaseModel):
 
 
 class ScheduleEvidence(BaseModel):
-    """Why the schedule holds the verdict it reports (docs/diagnosis.md, "The schedule");
-    stored verdict changes only."""
+    """Why the schedule holds the verdict it reports (docs/diagnosis.md, "The schedule"); in
+    the schedule's rounds only."""
 
     held: Verdict | None = Field(description="The verdict the schedule holds after this "
                                  "round.")
     held_since_s: float | None = Field(description="When it took hold, POSIX seconds.")
     round_verdict: Verdict = Field(description="This round's own verdict.")
+    what_changed: list[str] | None = Field(None, description="At a change from one verdict to "
+                                           "another: the checks that differ from the last "
+                                           "round that agreed with the one held before "
+                                           "(`itl_rising: false -> true`); absent otherwise.")
     round_confidence: float = Field(description="This round's own confidence (0-1).")
     candidate: Verdict | None = Field(description="A different verdict seen in the last "
                                       "rounds, not held yet.")

@@ -615,9 +615,11 @@ def _baseline_free(w_timed: list[Observation], engine: EngineSignals | None,
     levels = [f"TTFT p95 {_ms(lv.ttft_window)}" if lv.ttft_window is not None else None,
               f"ITL p95 {_ms(lv.itl_window)}" if lv.itl_window is not None else None]
     slos = [f"{_ms(v)}" for v in (rules.slo_ttft_s, rules.slo_itl_s) if v is not None]
+    batch = _engine_batch(engine)
     summary = (f"{_HEAD[alone.verdict]} (no baseline): "
                + ", ".join(x for x in levels if x is not None)
                + (f" against SLO thresholds {' / '.join(slos)}" if slos else "")
+               + (f"; {batch}" if batch else "")
                + "." + "".join(" " + n for n in notes))
     return Finding(alone.verdict, round(alone.confidence, 4), summary, evidence)
 
@@ -659,4 +661,19 @@ def _summary(
     if engine is not None and verdict is Verdict.KV_PRESSURE:
         parts.insert(0, f"engine KV cache up to {100 * (engine.kv_usage_max or 0):.0f}%, "
                         f"{engine.preemptions or 0:.0f} preemptions")
+    batch = _engine_batch(engine)
+    if batch:
+        parts.append(batch)
     return f"{head}: " + "; ".join(parts) + "." + "".join(" " + n for n in notes)
+
+
+def _engine_batch(engine: EngineSignals | None) -> str | None:
+    """The engine's batch and queue over the window, as every summary states them."""
+    if engine is None or engine.running_mean is None or engine.waiting_mean is None:
+        return None
+    text = (f"engine: {engine.running_mean:.1f} running and {engine.waiting_mean:.1f} waiting "
+            f"on average (at most {engine.running_max or 0:.0f} and "
+            f"{engine.waiting_max or 0:.0f})")
+    if engine.queue_time_mean_s is not None:
+        text += f", queue time {_ms(engine.queue_time_mean_s)} a request"
+    return text

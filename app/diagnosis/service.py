@@ -133,6 +133,11 @@ def _run_seconds(span: RequestSpan) -> float:
     return covered * span.total / (span.total - 1)
 
 
+def _word(value: Any) -> str:
+    """A check's value as the docs write it."""
+    return "unknown" if value is None else str(value).lower()
+
+
 def _iso(moment: datetime | None) -> str | None:
     return None if moment is None else moment.astimezone(UTC).isoformat()
 
@@ -170,6 +175,9 @@ class DiagnosisService:
         self._exported: list[str] = []  # models whose verdict the gauges hold
         self._held: dict[str, Held] = {}  # the schedule's state per model (app/diagnosis/hold)
         self._resume: dict[str, Held] = {}  # the stored state a new leader starts from
+        # Per model, the checks of the last round that agreed with the held verdict: what a
+        # change of verdict is compared with (`what_changed`).
+        self._agreed: dict[str, dict[str, Any]] = {}
         self.hold_rules = HoldRules(settings.diagnosis_hold_rounds,
                                     settings.diagnosis_switch_confidence,
                                     settings.diagnosis_baseline_s)
@@ -263,6 +271,7 @@ class DiagnosisService:
         starts afresh (another process may have led, and stored changes, in between) and
         withdraws the gauges when it ends, so only the process that runs it exports them."""
         self._stored, self._exported, self._held, self._resume = None, [], {}, {}
+        self._agreed = {}
         try:
             while True:
                 try:
@@ -286,6 +295,7 @@ class DiagnosisService:
         gone = [model for model in self._exported if model not in models]
         for model in gone:
             self._held.pop(model, None)
+            self._agreed.pop(model, None)
             if self.metrics is not None:
                 self.metrics.remove(model)
         if gone:
@@ -392,8 +402,24 @@ class DiagnosisService:
         return (kept + [m for m in recent if m not in held])[:limit]
 
     async def _round(self, model: str, now: datetime) -> dict[str, Any]:
-        """One model's round of the schedule, its state kept for the next."""
-        report, self._held[model] = await self._judge_round(self._held[model], model, now)
+        """One model's round of the schedule, its state kept for the next. A change from one
+        verdict to another says what changed since the last round that agreed with the old
+        one (`schedule.what_changed`, and the summary's first sentence)."""
+        before = self._held[model]
+        report, new = await self._judge_round(before, model, now)
+        self._held[model] = new
+        checks = report["evidence"].get("checks", {})
+        agreed = self._agreed.get(model)
+        if new.verdict is not before.verdict and before.verdict is not None:
+            what = [] if agreed is None else [
+                f"{key}: {_word(agreed[key])} -> {_word(value)}"
+                for key, value in checks.items() if key in agreed and agreed[key] != value]
+            report["evidence"]["schedule"]["what_changed"] = what
+            if what:
+                report["summary"] = (f"Changed from {before.verdict.value}: "
+                                     f"{'; '.join(what)}. {report['summary']}")
+        if new.verdict is not None and report["round_verdict"] == new.verdict.value:
+            self._agreed[model] = checks
         return report
 
     async def _judge_round(self, held: Held, model: str,

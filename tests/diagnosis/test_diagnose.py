@@ -230,6 +230,9 @@ def test_ttft_rising_with_itl_and_nothing_waiting_in_the_engine_is_decode_satura
     check(finding, Verdict.DECODE_SATURATION)
     assert "behind longer decode steps" in finding.summary
     assert finding.evidence["engine"]["running_mean"] == 40.0
+    # The engine's batch and queue are in every summary that has them.
+    assert "engine: 40.0 running and 0.0 waiting on average (at most 60 and 0)" in (
+        finding.summary)
 
 
 def test_proxy_and_engine_ttft_side_by_side() -> None:

@@ -69,6 +69,11 @@ async def test_a_long_incident_stays_named_and_its_baseline_is_not_absorbed(
         onset = stored[1].evidence
         assert onset["round_verdict"] == "queueing"
         assert onset["evidence"]["schedule"]["because"].startswith("overwhelming")
+        # The change says what changed since the last round that agreed with healthy.
+        changed = onset["evidence"]["schedule"]["what_changed"]
+        assert "ttft_rising: false -> true" in changed
+        assert "window_meets_slo: true -> false" in changed
+        assert onset["summary"].startswith("Changed from healthy: ")
         # The return to healthy waits the two rounds, however confident the first.
         assert stored[0].evidence["evidence"]["schedule"]["because"] == "held 2 round(s)"
         assert onset["baseline"]["schedule_kind"] == "previous"  # the round that first saw it
