@@ -20,6 +20,14 @@ Scenarios (simulator flags; phases; what must be seen):
   queueing must stay named to the end (the baseline must not absorb the incident).
 - prompt_mix: `--max-num-batched-tokens 512`; 6 req/s, prompts 100-400 -> 6 req/s, 70% of
   prompts 1500-3000 (equal load); prefill_bound, and never queueing.
+- cold_start: as queueing, but the overload is there from the first request (1 s of it before
+  the onset): the proxy has no baseline and must name it from the SLO and the engine's queue.
+
+Every second it also asks `GET /api/diagnosis?model=...` (the default question) and the last
+stored change (`/api/diagnosis/history?limit=1`): each must say the verdict the gauge held
+just before or just after (a round may land between the reads). `agree` counts the reads
+where all three did; `changes` the held verdict's changes from the first correct one to the
+fault's end.
 
 A scenario passes when the expected verdict is held within 60 s of onset and no other
 non-healthy verdict was held at confidence >= 0.5 between onset and then (burst: back to
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import sys
@@ -86,6 +95,8 @@ ONSETS: dict[str, Onset] = {o.name: o for o in (
           _users(64, FAULT_S, prompts=SMALL, outputs=(32, 96))),
     Onset("burst", "healthy", ("--max-num-seqs", "4"),
           _users(3, LEAD_S), _users(12, 20.0), _users(3, TAIL_S)),
+    Onset("cold_start", "queueing", ("--max-num-seqs", "4"),
+          _users(12, 1.0), _users(12, FAULT_S)),
     Onset("prompt_mix", "prefill_bound",
           ("--max-num-batched-tokens", "512", "--max-model-len", "8192"),
           Phase(LEAD_S, rate=6), Phase(FAULT_S, rate=6,
@@ -105,6 +116,8 @@ class Timeline:
     fault_end_at: float = 0.0
     end_at: float = 0.0
     held: list[tuple[float, str, float]] = field(default_factory=list)  # (monotonic, v, conf)
+    agree: int = 0  # reads where the endpoint, the history and the gauge said one verdict
+    disagree: list[tuple[float, str, str, str]] = field(default_factory=list)  # t, gauge, api, hist
 
     def add(self, t: float, verdict: str, confidence: float) -> None:
         if not self.held or self.held[-1][1] != verdict or abs(
@@ -149,6 +162,15 @@ class Timeline:
         return [(t, v, c) for t, v, c in self.seen
                 if 0 <= t < limit and v not in quiet and c >= WRONG_CONFIDENCE]
 
+    def changes_after_correct(self) -> int:
+        """Changes of the held verdict from the first correct one to the fault's end."""
+        right = self.time_to_correct
+        if right is None:
+            return 0
+        end = self.fault_end_at - self.onset_at
+        kept = [v for t, v, _ in self.seen if right <= t < end]
+        return sum(1 for a, b in itertools.pairwise(kept) if a != b)
+
     def lapses_after_correct(self) -> list[tuple[float, str, float]]:
         """Verdicts other than the expected one after it was first held, during the fault."""
         right = self.time_to_correct
@@ -166,7 +188,7 @@ class Timeline:
         ok = right is not None and right <= TARGET_S and not self.wrong_before_correct()
         if self.onset.name == "prompt_mix":
             ok = ok and all(v != "queueing" for t, v, _ in self.seen if t >= 0)
-        return ok and not self.lapses_after_correct()
+        return ok and not self.lapses_after_correct() and not self.disagree
 
 
 def _held(text: str) -> tuple[str | None, float]:
@@ -187,12 +209,29 @@ async def _watch(url: str, timeline: Timeline, stop: asyncio.Event) -> None:
                 verdict, confidence = _held((await client.get(url + "/metrics")).text)
                 if verdict is not None:
                     timeline.add(time.monotonic(), verdict, confidence)
+                    await _compare(client, url, timeline, verdict)
             except httpx.HTTPError:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except TimeoutError:
                 pass
+
+
+async def _compare(client: httpx.AsyncClient, url: str, timeline: Timeline,
+                   before: str) -> None:
+    """The default question and the last stored change against the gauge read before them
+    and the one read after."""
+    answer = (await client.get(url + "/api/diagnosis", params={"model": MODEL})).json()
+    items = (await client.get(url + "/api/diagnosis/history",
+                              params={"model": MODEL, "limit": 1})).json()["items"]
+    after, _ = _held((await client.get(url + "/metrics")).text)
+    api, history = answer.get("verdict", "?"), items[0]["verdict"] if items else "none"
+    if api in (before, after) and history in (before, after):
+        timeline.agree += 1
+    else:
+        timeline.disagree.append((round(time.monotonic() - timeline.onset_at, 1), before,
+                                  api, history))
 
 
 async def run_onset(stack: Stack, seed: int = 7) -> Timeline:
@@ -234,13 +273,16 @@ def describe(t: Timeline) -> str:
             outcome += f"; WRONG before it: {t.wrong_before_correct()}"
         if t.lapses_after_correct():
             outcome += f"; LAPSES after it: {t.lapses_after_correct()}"
+    outcome += f"; surfaces agreed on {t.agree} of {t.agree + len(t.disagree)} reads"
+    if t.disagree:
+        outcome += f" (DISAGREED: {t.disagree[:5]})"
     return (f"{t.onset.name:18s} expect {t.onset.expect:18s} {'ok ' if t.passed else 'BAD'} "
             f"{outcome}\n    seen: {seen}")
 
 
 def table(timelines: list[Timeline]) -> str:
-    lines = [f"{'scenario':18s} {'expected':18s} {'time to correct':>16s} {'pass':>5s}  "
-             "verdicts seen (s from onset: verdict confidence)"]
+    lines = [f"{'scenario':18s} {'expected':18s} {'time to correct':>16s} {'changes':>8s} "
+             f"{'agree':>10s} {'pass':>5s}  verdicts seen (s from onset: verdict confidence)"]
     for t in timelines:
         if t.onset.name == "burst":
             back = t.time_to_healthy_after
@@ -249,7 +291,9 @@ def table(timelines: list[Timeline]) -> str:
             right = t.time_to_correct
             ttc = "never" if right is None else f"{right:.0f} s"
         seen = "; ".join(f"{s:+.0f} {v} {c:.2f}" for s, v, c in t.seen)
+        agree = f"{t.agree}/{t.agree + len(t.disagree)}"
         lines.append(f"{t.onset.name:18s} {t.onset.expect:18s} {ttc:>16s} "
+                     f"{t.changes_after_correct():>8d} {agree:>10s} "
                      f"{'yes' if t.passed else 'NO':>5s}  {seen}")
     return "\n".join(lines)
 
@@ -304,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([{"scenario": t.onset.name, "expect": t.onset.expect,
                                           "seen": t.seen, "passed": t.passed,
                                           "time_to_correct_s": t.time_to_correct,
+                                          "changes_after_correct":
+                                              t.changes_after_correct(),
+                                          "surfaces_agreed": t.agree,
+                                          "surfaces_disagreed": t.disagree,
                                           "healthy_after_burst_s": t.time_to_healthy_after}
                                          for t in timelines], indent=2))
     return 0 if all(t.passed for t in timelines) else 1
