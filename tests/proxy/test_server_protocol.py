@@ -171,10 +171,11 @@ def test_a_first_requests_arrival_includes_its_wait_for_the_server(
         pytest.skip("no receive timestamps on this platform")
     _wait_for_stamps(arrivals)  # (the proxy's own keeper asked for them as it started)
     arrivals.close()
-    busy = threading.Event()
+    busy, sent = threading.Event(), threading.Event()
 
     async def hold_the_loop() -> None:
         busy.set()
+        sent.wait(10)  # the loop is blocked on purpose: the request arrives meanwhile
         busy_until = time.monotonic() + 0.3
         while time.monotonic() < busy_until:
             pass
@@ -182,15 +183,24 @@ def test_a_first_requests_arrival_includes_its_wait_for_the_server(
     assert proxy.server.loop is not None
     held = asyncio.run_coroutine_threadsafe(hold_the_loop(), proxy.server.loop)
     assert busy.wait(10)
-    response = httpx.post(proxy.url + "/v1/completions", content=BODY,
-                          headers={"content-type": "application/json"}, timeout=10)
+    with _connect(proxy) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: "
+                     + str(len(BODY)).encode() + b"\r\n\r\n" + BODY)
+        sent.set()  # every byte is in the kernel: the 0.3 s the loop is held starts after
+        sock.settimeout(10)
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
     held.result(10)
-    assert response.status_code == 200
+    assert received.startswith(b"HTTP/1.1 200 ")
     record = proxy.next_record()
-    assert record.ttft_s is not None and record.ttft_s >= 0.2
+    assert record.ttft_s is not None and record.ttft_s >= 0.3
     queued = total(parse_metrics(httpx.get(proxy.url + "/metrics").text),
                    "phasewatch_proxy_queue_seconds_sum")
-    assert queued >= 0.2
+    assert queued >= 0.3
 
 
 def test_uvicorn_is_a_version_the_adapter_was_tested_with() -> None:
