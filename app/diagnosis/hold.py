@@ -9,7 +9,8 @@ Two problems of a verdict recomputed from scratch every round, solved here as pu
   the window) a fault held long enough becomes its own baseline and reads healthy. So while
   an incident is held (or pending as a candidate) the baseline is frozen: the last span
   judged healthy (`HEALTHY_REFERENCE`: contiguous healthy windows, up to a baseline's length,
-  whose latencies met the SLO), or, when none is known, the baseline of the round that first
+  whose latencies met the SLO, ending no later than the start of the window that first showed
+  the incident), or, when none is known, the baseline of the round that first
   saw the incident (`FROZEN_AT_ONSET`, reported as not known healthy). After the incident,
   as long as the span before the window still holds some of it, the healthy reference stays
   the baseline (and is not extended): recovered traffic is not judged against the incident.
@@ -133,7 +134,13 @@ def step(held: Held, r: Round, rules: HoldRules) -> tuple[Held, dict[str, Any]]:
 def _remember(before: Held, new: Held, r: Round, rules: HoldRules) -> Held:
     """Keep the healthy reference and the onset baseline up to date."""
     if not before.incident and new.incident:
-        new = replace(new, onset_baseline=r.baseline)  # an incident shows: freeze its baseline
+        # An incident shows: freeze its baseline. It may have begun anywhere in the window
+        # that showed it, and the healthy rounds just before (their windows diluted by it)
+        # may hold its start: the reference ends where that window begins.
+        ref, cut = new.healthy, r.window.since_s
+        if ref is not None and ref.until_s > cut:
+            ref = Span(ref.since_s, cut) if cut > ref.since_s else None
+        new = replace(new, onset_baseline=r.baseline, healthy=ref)
     elif not new.incident:
         new = replace(new, onset_baseline=None)
     if new.incident:

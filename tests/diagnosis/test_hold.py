@@ -87,16 +87,36 @@ def test_an_incident_is_compared_with_the_frozen_healthy_reference() -> None:
     """The incident cannot absorb the baseline: while queueing is held or pending, every
     round compares with the last healthy span, however long the incident lasts."""
     state, _ = play([(H, 0.9)] * 10)
-    reference = state.healthy
-    assert reference is not None
+    assert state.healthy is not None
     now = 1000 + 10 * STEP_S
     assert baseline_for(state, Span(0, 1))[1] is BaselineKind.PREVIOUS
     state, _ = play([(Q, 0.8)], held=state, start=now)  # pending
+    # The reference ends where the window that first showed the incident begins.
+    reference = Span(state.healthy.since_s, now - WINDOW_S)
     assert baseline_for(state, Span(0, 1)) == (reference, BaselineKind.HEALTHY_REFERENCE)
     state, seen = play([(Q, 0.8)] * 200, held=state, start=now + STEP_S)  # 33 minutes
     assert set(seen) == {"queueing"}
     assert state.healthy == reference  # never updated during the incident
     assert baseline_for(state, Span(0, 1)) == (reference, BaselineKind.HEALTHY_REFERENCE)
+
+
+def test_the_reference_keeps_nothing_of_the_window_that_showed_the_incident() -> None:
+    """Windows that overlapped the incident's start, diluted by the healthy traffic before
+    it, read healthy and extended the reference; the incident must not be compared with its
+    own start (it would read healthy). A reference wholly inside that window is dropped for
+    the baseline frozen at onset."""
+    state, _ = play([(H, 0.9)] * 6)  # healthy windows up to 1050
+    assert state.healthy == Span(1000 - WINDOW_S, 1050)
+    state, _ = play([(Q, 0.99)], held=state, start=1080)  # the incident shows in [1020, 1080]
+    assert state.healthy == Span(1000 - WINDOW_S, 1020)
+    assert baseline_for(state, Span(0, 1)) == (state.healthy, BaselineKind.HEALTHY_REFERENCE)
+    short, _ = play([(H, 0.9)])  # one healthy window, [940, 1000]
+    short, _ = play([(Q, 0.99)], held=short, start=1000 + WINDOW_S + 10)  # shows in [1010, ...]
+    assert short.healthy == Span(1000 - WINDOW_S, 1000)  # ended before: kept whole
+    inside, _ = play([(H, 0.9)])
+    inside, _ = play([(Q, 0.99)], held=inside, start=1000)  # its window covers the reference
+    assert inside.healthy is None and inside.onset_baseline is not None
+    assert baseline_for(inside, Span(0, 1))[1] is BaselineKind.FROZEN_AT_ONSET
 
 
 def test_a_window_missing_the_slo_never_becomes_the_reference() -> None:
@@ -121,7 +141,8 @@ def test_after_an_incident_recovered_traffic_is_judged_against_the_reference() -
     """While the span before the window still holds the incident, the baseline stays the
     healthy reference, which is not extended meanwhile; once the span is clear, back to it."""
     state, _ = play([(H, 0.9)] * 10)
-    reference = state.healthy
+    assert state.healthy is not None
+    reference = Span(state.healthy.since_s, 1100 - WINDOW_S)  # cut at the incident's window
     state, _ = play([(Q, 0.99)] * 5 + [(H, 0.99)] * 2, held=state, start=1100)
     assert state.verdict is H and state.incident_until_s == 1100 + 5 * STEP_S
     overlapping = Span(1100 - 3600, 1100)

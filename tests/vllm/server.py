@@ -84,15 +84,17 @@ def server_env(env: VLLMEnv) -> dict[str, str]:
 
 
 @contextmanager
-def running_vllm(env: VLLMEnv, log_dir: Path,
-                 otlp_traces_url: str | None = None) -> Iterator[VLLMServer]:
+def running_vllm(env: VLLMEnv, log_dir: Path, otlp_traces_url: str | None = None,
+                 served_model_name: str = SERVED_MODEL,
+                 engine_args: tuple[str, ...] = ()) -> Iterator[VLLMServer]:
     """`otlp_traces_url`: an OTLP/HTTP receiver's base URL, to which vLLM exports its request
-    spans (their parent is the `traceparent` a request arrives with)."""
+    spans (their parent is the `traceparent` a request arrives with). `engine_args`: more of
+    vLLM's flags (say `--max-num-seqs 4`), after the ones every test uses."""
     port = free_port()
     log_path = log_dir / "vllm-server.log"
     args = [
         str(env.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(env.model_dir), "--served-model-name", SERVED_MODEL,
+        "--model", str(env.model_dir), "--served-model-name", served_model_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
         # Every request prefills its whole prompt: timings do not depend on what ran before,
@@ -102,6 +104,7 @@ def running_vllm(env: VLLMEnv, log_dir: Path,
         # this build and it compiles again every start), with the same decode speed here.
         "--enforce-eager",
         "--seed", "0",
+        *engine_args,
     ]
     environment = server_env(env)
     if otlp_traces_url is not None:
@@ -116,7 +119,8 @@ def running_vllm(env: VLLMEnv, log_dir: Path,
     try:
         _wait_healthy(url, proc, log_path)
         _yield_to_api_server(proc.pid)
-        yield VLLMServer(url, SERVED_MODEL, env.model_dir, MAX_MODEL_LEN, env.version, log_path)
+        yield VLLMServer(url, served_model_name, env.model_dir, MAX_MODEL_LEN, env.version,
+                         log_path)
     finally:
         _stop(proc)
 
