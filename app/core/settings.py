@@ -137,7 +137,8 @@ class Settings(BaseSettings):
     # shows within a minute), else the whole window.
     diagnosis_recent_s: float = Field(default=60.0, gt=0)
     # Hysteresis: a new verdict replaces the schedule's current one after this many rounds in a
-    # row, or at once when its confidence is at least `diagnosis_switch_confidence`.
+    # row, or, from healthy to an incident, at once when its confidence is at least
+    # `diagnosis_switch_confidence`.
     diagnosis_hold_rounds: int = Field(default=2, ge=1)
     diagnosis_switch_confidence: float = Field(default=0.95, gt=0, le=1)
     # Live snapshots (requests still in flight) count when taken this long before `until`.

@@ -2,9 +2,10 @@
 
 Two problems of a verdict recomputed from scratch every round, solved here as pure state:
 - **Flapping.** Near a threshold the round's verdict can alternate. The schedule reports the
-  verdict it holds; a different one replaces it only after `rounds` rounds in a row, or at
-  once when its confidence is at least `switch_confidence` (overwhelming evidence). A return
-  to `healthy` always waits the rounds: an incident is over when it has been gone a while.
+  verdict it holds; a different one replaces it only after `rounds` rounds in a row, or, from
+  `healthy` or `insufficient_data` to an incident, at once when its confidence is at least
+  `switch_confidence` (overwhelming evidence). A return to `healthy`, and a change from one
+  incident verdict to another, always wait the rounds.
 - **An incident absorbing its baseline.** With the default baseline (the span right before
   the window) a fault held long enough becomes its own baseline and reads healthy. So while
   an incident is held (or pending as a candidate) the baseline is frozen: the last span
@@ -109,7 +110,10 @@ def step(held: Held, r: Round, rules: HoldRules) -> tuple[Held, dict[str, Any]]:
                                candidate_rounds=0), "same as held"
     else:
         count = held.candidate_rounds + 1 if r.verdict is held.candidate else 1
-        overwhelming = r.verdict not in QUIET and r.confidence >= rules.switch_confidence
+        # Overwhelming evidence names an incident at once, but never renames one: a check
+        # near its threshold (say, an ITL rise about 2x) would alternate two names.
+        overwhelming = (held.verdict in QUIET and r.verdict not in QUIET
+                        and r.confidence >= rules.switch_confidence)
         if count >= rules.rounds or overwhelming:
             because = (f"held {count} round(s)" if count >= rules.rounds else
                        f"overwhelming: confidence {r.confidence:.2f} >= "

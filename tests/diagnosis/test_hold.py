@@ -66,6 +66,15 @@ def test_overwhelming_evidence_switches_at_once() -> None:
     assert why["changed"] is True and why["because"].startswith("overwhelming")
 
 
+def test_an_incident_is_renamed_only_after_the_rounds() -> None:
+    """Two incident verdicts alternating at full confidence (a check near its threshold) do
+    not flip the held one; a new regime that lasts the rounds does replace it."""
+    _, seen = play([(H, 0.9), (Q, 1.0), (CAP, 1.0), (Q, 1.0), (CAP, 1.0), (Q, 1.0)])
+    assert seen == ["healthy"] + ["queueing"] * 5
+    _, seen = play([(Q, 1.0), (CAP, 1.0), (CAP, 1.0)])
+    assert seen == ["queueing", "queueing", "out_of_capacity"]
+
+
 def test_the_return_to_healthy_always_waits_the_rounds() -> None:
     _, seen = play([(Q, 0.9), (H, 0.99), (H, 0.99)])
     assert seen == ["queueing", "queueing", "healthy"]
