@@ -147,9 +147,11 @@ VLLM_ONSETS: dict[str, Onset] = {o.name: o for o in (
     Onset("out_of_capacity", "out_of_capacity", ("--max-num-seqs", "32"),
           _users(2, LEAD_S, prompts=VLLM_SMALL, outputs=(64, 128)),
           _users(96, FAULT_S, prompts=VLLM_SMALL, outputs=(64, 128))),
+    # The model's tokenizer makes ~3 tokens of each "word ": prompts of ~100-400 tokens, then
+    # 70% of ~1500-3000 (under its 4096-token context).
     Onset("prompt_mix", "prefill_bound", ("--max-num-batched-tokens", "512"),
-          Phase(LEAD_S, rate=2), Phase(FAULT_S, rate=2,
-                                       prompts=((0.3, 100, 400), (0.7, 1500, 3000)))),
+          Phase(LEAD_S, rate=2, prompts=((1.0, 33, 133),)),
+          Phase(FAULT_S, rate=2, prompts=((0.3, 33, 133), (0.7, 500, 1000)))),
     Onset("burst", "healthy", ("--max-num-seqs", "2"),
           _users(2, LEAD_S), _users(8, 20.0), _users(2, TAIL_S)),
     Onset("cold_start", "queueing", ("--max-num-seqs", "2"),

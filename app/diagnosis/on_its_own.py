@@ -32,19 +32,28 @@ class EngineQueue(StrEnum):
     UNKNOWN = "unknown"  # not scraped, or too few scrapes in the window
 
 
+# Requests waiting on average over the window's scrapes that make a queue still building
+# (its requests not yet in the queue-time histogram, which counts them once scheduled).
+SUSTAINED_WAITING = 0.5
+
+
 def engine_queue(engine: EngineSignals | None, ttft_p50_s: float | None,
                  negligible_share: float, min_scrapes: int = 2) -> EngineQueue:
-    """Whether requests waited in the engine over the window. The waiting count is sampled at
-    each scrape; the queue time (the engine's own histogram, where it has one) covers every
-    request. Queue time under `negligible_share` of the window's TTFT median is no queue."""
+    """Whether requests waited in the engine over the window. Where the engine reports its
+    queue time (a histogram over every request it scheduled), that decides: a mean under
+    `negligible_share` of the window's TTFT median is no queue, unless requests were waiting
+    at most scrapes (`SUSTAINED_WAITING`: a queue still building). A request seen waiting at
+    one scrape, between its arrival and the next step, is not a queue. Without a queue time,
+    any request seen waiting is."""
     if engine is None or engine.scrapes < min_scrapes or engine.waiting_max is None:
         return EngineQueue.UNKNOWN
     queued_s = engine.queue_time_mean_s
-    long_waits = (queued_s is not None and ttft_p50_s is not None
-                  and queued_s >= negligible_share * ttft_p50_s)
-    if engine.waiting_max >= 1 or long_waits:
-        return EngineQueue.WAITING
-    return EngineQueue.EMPTY
+    if queued_s is not None and ttft_p50_s is not None:
+        sustained = (engine.waiting_mean or 0.0) >= SUSTAINED_WAITING
+        if queued_s >= negligible_share * ttft_p50_s or sustained:
+            return EngineQueue.WAITING
+        return EngineQueue.EMPTY
+    return EngineQueue.WAITING if engine.waiting_max >= 1 else EngineQueue.EMPTY
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,6 +215,15 @@ def test_the_engine_queue_corroborates_queueing() -> None:
     assert diagnose(window, BASE, short_waits).verdict is Verdict.UNEXPLAINED
     long_waits = engine(waiting_max=0.0, waiting_mean=0.0, queue_time_mean_s=0.1)
     assert diagnose(window, BASE, long_waits).verdict is Verdict.QUEUEING
+    # A request seen waiting at one scrape (between its arrival and the next step) beside a
+    # negligible queue time is no queue: seen on a starved machine, where it flipped the
+    # verdict between unexplained and queueing round by round.
+    blip = engine(waiting_max=1.0, waiting_mean=0.1, queue_time_mean_s=0.0035)
+    assert diagnose(window, BASE, blip).verdict is Verdict.UNEXPLAINED
+    # A queue still building (requests waiting at most scrapes, not yet in the queue-time
+    # histogram, which counts them once scheduled) is one.
+    building = engine(waiting_max=6.0, waiting_mean=3.0, queue_time_mean_s=0.0035)
+    assert diagnose(window, BASE, building).verdict is Verdict.QUEUEING
 
 
 def test_ttft_rising_with_itl_and_nothing_waiting_in_the_engine_is_decode_saturation() -> None:
