@@ -220,8 +220,8 @@ def test_the_engine_queue_corroborates_queueing() -> None:
     # verdict between unexplained and queueing round by round.
     blip = engine(waiting_max=1.0, waiting_mean=0.1, queue_time_mean_s=0.0035)
     assert diagnose(window, BASE, blip).verdict is Verdict.UNEXPLAINED
-    # A queue still building (requests waiting at most scrapes, not yet in the queue-time
-    # histogram, which counts them once scheduled) is one.
+    # A queue still building (requests waiting on average over the scrapes, not yet in the
+    # queue-time histogram, which counts them once scheduled) is one.
     building = engine(waiting_max=6.0, waiting_mean=3.0, queue_time_mean_s=0.0035)
     assert diagnose(window, BASE, building).verdict is Verdict.QUEUEING
 
