@@ -43,8 +43,8 @@ def engine_queue(engine: EngineSignals | None, ttft_p50_s: float | None,
     queue time (a histogram over every request it scheduled), that decides: a mean under
     `negligible_share` of the window's TTFT median is no queue, unless half a request or more
     was waiting on average over the scrapes (`SUSTAINED_WAITING`: a queue still building). A
-    request seen waiting at one scrape, between its arrival and the next step, is not a queue. Without a queue time,
-    any request seen waiting is."""
+    request seen waiting at one scrape, between its arrival and the next step, is not a queue.
+    Without a queue time, any request seen waiting is."""
     if engine is None or engine.scrapes < min_scrapes or engine.waiting_max is None:
         return EngineQueue.UNKNOWN
     queued_s = engine.queue_time_mean_s
