@@ -215,6 +215,8 @@ class Timeline:
     def time_to_correct(self) -> float | None:
         if self.onset.name == "burst":
             return None
+        if self.onset.expect == "healthy" and self.verdict_at(0) == "healthy":
+            return 0.0  # steady: healthy already held at the onset, as it must be
         for t, v, _ in self.seen:
             if t >= 0 and v == self.onset.expect:
                 return t
