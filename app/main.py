@@ -225,17 +225,19 @@ def create_app(
         # one process (of every worker and replica) that leads; every process answers the API.
         duties: dict[str, Duty] = {"retention": lambda: run_retention(
             engine, retention, settings.retention_interval_s)}
+        scraper = None
         if settings.engine_metrics_target is not None:
             # The engine's own metrics corroborate what the records show (docs/diagnosis.md).
-            duties["engine-scraper"] = EngineScraper(
+            scraper = EngineScraper(
                 settings.engine_metrics_target, settings.engine_scrape_interval_s,
                 settings.engine_scrape_timeout_s,
                 keep_s=settings.diagnosis_window_s + settings.diagnosis_baseline_s + 60,
-                sessionmaker=app.state.sessionmaker, metrics=EngineScrapeMetrics(registry),
-            ).run
+                sessionmaker=app.state.sessionmaker, metrics=EngineScrapeMetrics(registry))
+            duties["engine-scraper"] = scraper.run
         app.state.diagnosis = DiagnosisService(
             app.state.sessionmaker, settings,
-            DiagnosisMetrics(registry, multiprocess=exposition.multiprocess))
+            DiagnosisMetrics(registry, multiprocess=exposition.multiprocess),
+            fresh_engine=None if scraper is None else scraper.fresh)
         if settings.diagnosis_interval_s > 0:
             duties["diagnosis"] = app.state.diagnosis.run
         app.state.leadership = Leadership(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -164,8 +164,13 @@ class DiagnosisService:
     def __init__(
         self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
         metrics: DiagnosisMetrics | None = None,
+        fresh_engine: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.sessionmaker = sessionmaker
+        # Called before each scheduled round: returns once the engine's state at that moment
+        # is stored, so a round never reads the engine's queue from before a change of load
+        # that the requests in flight already show (app/engine/scraper.py, `fresh`).
+        self.fresh_engine = fresh_engine
         self.settings = settings
         self.engine_url = settings.engine_metrics_target  # None: the engine is not scraped
         self.metrics = metrics
@@ -275,6 +280,8 @@ class DiagnosisService:
         try:
             while True:
                 try:
+                    if self.fresh_engine is not None:
+                        await self.fresh_engine()
                     await self.evaluate_all()
                 except Exception as exc:
                     log.warning("diagnosis round failed (%s: %s)", type(exc).__name__,

@@ -1,19 +1,22 @@
 """The background task that scrapes the engine's /metrics and stores what diagnosis reads of it.
 
-One GET every `interval_s`, with its own small aiohttp session (never the relay's connection
-pool) and a timeout. The text is parsed in a worker thread, so a large /metrics page does not
-hold the event loop that relays streams. Each scrape is stored (app/store/engine_scrapes.py),
-stamped with the wall clock at which the response arrived (the clock of the stored requests'
-`started_at`), and kept `keep_s` seconds: long enough for a window and its baseline. A failed
-scrape is stored as such, counted, and logged once per outage; nothing raises out of the task.
+One GET every `interval_s`, and one more whenever the diagnosis schedule asks (`fresh`: each
+round judges the engine as it is at the round, not as it was up to `interval_s` before), with
+its own small aiohttp session (never the relay's connection pool) and a timeout. The text is
+parsed in a worker thread, so a large /metrics page does not hold the event loop that relays
+streams. Each scrape is stored (app/store/engine_scrapes.py), stamped with the wall clock at
+which the response arrived (the clock of the stored requests' `started_at`), and kept `keep_s`
+seconds: long enough for a window and its baseline. A failed scrape is stored as such, counted,
+and logged once per outage; nothing raises out of the task.
 
-It runs in the leading process only (app/store/leader.py): one scrape per interval for the
-whole deployment, and every worker and replica reads the same stored scrapes.
+It runs in the leading process only (app/store/leader.py), beside the schedule that asks it:
+one scraper for the whole deployment, and every worker and replica reads the same stored scrapes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -43,10 +46,15 @@ class EngineScraper:
         self.metrics = metrics
         self.up = False
         self._failing = False
+        # `fresh` sets _wake; the loop sets and replaces _stored after each scrape it stores.
+        # Both exist only while `run` does (None: nobody scrapes, `fresh` returns at once).
+        self._wake: asyncio.Event | None = None
+        self._stored: asyncio.Event | None = None
 
     async def run(self) -> None:
         """Scrape until cancelled; `up` goes back to 0 when this process stops scraping."""
         connector = aiohttp.TCPConnector(limit=1)
+        self._wake, self._stored = asyncio.Event(), asyncio.Event()
         try:
             async with aiohttp.ClientSession(connector=connector,
                                              timeout=self.timeout) as session:
@@ -56,11 +64,27 @@ class EngineScraper:
                     except Exception as exc:  # a bug here must not end the task
                         log.exception("engine scrape failed unexpectedly")
                         self._failed(exc)
-                    await asyncio.sleep(self.interval_s)
+                    # A request for a scrape made while this one ran is answered by it.
+                    self._wake.clear()
+                    self._stored.set()
+                    self._stored = asyncio.Event()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.interval_s)
         finally:
+            self._wake = self._stored = None
             self.up = False
             if self.metrics is not None:
                 self.metrics.up.set(0)
+
+    async def fresh(self) -> None:
+        """Return once a scrape that ended after this call began is stored (failed or not), or
+        after the scrape timeout; at once when no scrape loop runs in this process."""
+        if self._wake is None or self._stored is None:
+            return
+        stored = self._stored
+        self._wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stored.wait(), (self.timeout.total or 5.0) + 1.0)
 
     async def scrape(self, session: aiohttp.ClientSession) -> EngineSnapshot | None:
         try:

@@ -29,6 +29,7 @@ from phasewatch.store.migrate import upgrade
 from phasewatch.store.models import RequestRow
 from tests.conftest import Proxy
 from tests.support.databases import PrivatePostgres
+from tests.support.served import wait_for
 from tests.support.servers import ThreadServer, free_port
 
 QUIET = {"diagnosis_interval_s": 0, "engine_metrics_enabled": False}
@@ -212,14 +213,6 @@ def scheduled(make_proxy: Callable[..., Proxy], scripted_url: str, sqlite_url: s
     return proxy
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-
-
 def test_the_schedule_exports_the_verdict_and_stores_changes_only(scheduled: Proxy) -> None:
     def verdict(v: str) -> float:
         return scheduled.sample("phasewatch_diagnosis_verdict", {"model": "m", "verdict": v})
@@ -288,6 +281,25 @@ def test_engine_metrics_are_scraped_and_read(make_proxy: Callable[..., Proxy]) -
     assert engine["scrapes"] >= 2 and engine["metric_names"]["ttft"] == (
         "vllm:time_to_first_token_seconds")
     assert engine["ttft_count"] >= 3  # the engine saw the requests that the proxy relayed
+
+
+def test_each_scheduled_round_reads_the_engine_as_it_is_then(
+    make_proxy: Callable[..., Proxy]
+) -> None:
+    # The scrape interval alone would give one scrape in ten minutes; the schedule asks for a
+    # fresh one before each round, so the engine's evidence is never older than the round.
+    with running_sim(load_sim_settings(port=0, log_level="warning")) as sim:
+        proxy = make_proxy(sim.url, diagnosis_interval_s=0.2, engine_scrape_interval_s=600)
+        model = httpx.get(proxy.url + "/v1/models").json()["data"][0]["id"]
+        httpx.post(proxy.url + "/v1/completions", timeout=10, json={
+            "model": model, "prompt": "word " * 20, "max_tokens": 4, "stream": True}).read()
+        rounds = proxy.sample("phasewatch_diagnosis_evaluations_total")
+        wait_for(lambda: proxy.sample("phasewatch_diagnosis_evaluations_total") >= rounds + 4,
+                 says="four scheduled rounds")
+        body = get(proxy, model=model, window="1m", min_samples=5).json()
+        proxy.server.stop()
+    assert body["engine_metrics"]["up"] is True
+    assert body["evidence"]["engine"]["scrapes"] >= 5  # the first, and one before each round
 
 
 def test_an_unreachable_engine_is_counted_and_diagnosis_goes_on(

@@ -29,7 +29,9 @@ from tests.support.databases import postgres_database
 from tests.support.served import parse_metrics, script, total, wait_for
 from tests.support.servers import free_port, subprocess_server
 
-INTERVAL_S = 0.2  # the schedule's, the engine scrape's and the leader lock's check
+INTERVAL_S = 0.2  # the schedule's and the leader lock's check
+# The engine is scraped before each scheduled round; its own interval is out of the test's way.
+SCRAPE_INTERVAL_S = 600.0
 
 
 async def _read(url: str) -> tuple[list[datetime], list[str]]:
@@ -71,7 +73,7 @@ def test_two_replicas_share_one_schedule_store_everything_and_answer_alike(
         env = {
             "PHASEWATCH_DATABASE_URL": database,
             "PHASEWATCH_ENGINE_METRICS_URL": sim.url + "/metrics",
-            "PHASEWATCH_ENGINE_SCRAPE_INTERVAL_S": str(INTERVAL_S),
+            "PHASEWATCH_ENGINE_SCRAPE_INTERVAL_S": str(SCRAPE_INTERVAL_S),
             "PHASEWATCH_DIAGNOSIS_INTERVAL_S": str(INTERVAL_S),
             "PHASEWATCH_LEADER_CHECK_INTERVAL_S": str(INTERVAL_S),
             "PHASEWATCH_DIAGNOSIS_WINDOW_S": "60",
@@ -111,8 +113,9 @@ def test_two_replicas_share_one_schedule_store_everything_and_answer_alike(
         assert sum(total(parse_metrics(httpx.get(url + "/metrics").text), "phasewatch_leader")
                    for url in urls) == 1
 
-        # One engine scraper: every stored scrape at least an interval after the one before
-        # (two scrapers would interleave theirs). One schedule: the verdict stored once.
+        # One engine scraper, asked by one schedule before each round: every stored scrape at
+        # least a round's interval after the one before (two leaders would interleave theirs).
+        # One schedule: the verdict stored once.
         def scraped_and_judged() -> tuple[list[datetime], list[str]] | None:
             scrapes, verdicts = asyncio.run(_read(database))
             return (scrapes, verdicts) if len(scrapes) >= 8 and verdicts else None
