@@ -1,7 +1,7 @@
 # phasewatch's production image, in two stages:
 #   build:   the wheel, from this source tree (what `pip wheel .` makes, and the tests install),
-#            with the native relay and the diagnosis's loops compiled in (app/proxy/_native.c,
-#            app/diagnosis/_stats.c: the stage's C compiler);
+#            with the native relay compiled in (app/phasewatch/proxy/csrc/: the stage's C
+#            compiler);
 #   runtime: the locked dependencies (requirements.lock, every version and hash pinned) and that
 #            wheel, installed by deploy/install-runtime.sh (the tests run the same script) into
 #            /opt/phasewatch, run as a non-root user. No source tree, no compiler, no editable
@@ -17,10 +17,9 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY app ./app
-COPY migrations ./migrations
 RUN pip install --no-cache-dir build==1.6.1 \
     && python -m build --wheel --outdir /dist \
-    && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/dist/*.whl')[0]).namelist(); sys.exit(not all(any(n.startswith(m) for n in names) for m in ('phasewatch/proxy/_native', 'phasewatch/diagnosis/_stats')))"
+    && python -c "import sys, zipfile, glob; names = zipfile.ZipFile(glob.glob('/dist/*.whl')[0]).namelist(); sys.exit(not all(any(n.startswith(m) for n in names) for m in ('phasewatch/proxy/_native',)))"
 
 FROM python:3.11-slim AS runtime
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml $(wildcard app/proxy/csrc/*.[ch]) app/diagnosis/_stats.c
+$(VENV)/.installed: pyproject.toml $(wildcard app/phasewatch/proxy/csrc/*.[ch])
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
@@ -21,29 +21,25 @@ up: install
 
 lint: install
 	$(BIN)/ruff check app tests benchmarks grafana
+	$(BIN)/lint-imports
 
-# The benchmark scripts that drive the relay's own classes, checked from their folder (as
-# `python benchmarks/X.py` imports its neighbours): a rename in app/ must reach them too.
-BENCH_TYPED = read_path.py proxy_ab.py proxy_overhead.py loadgen.py fast_upstream.py \
-	ttft_truth.py loadgen_capacity.py cost_split.py opcode_census.py connection_cost.py \
-	memory_growth.py slow_client.py
+# The benchmark scripts, checked as the package they import each other through.
+BENCH_TYPED = $(wildcard benchmarks/*.py)
 
-# mypy reads modules by path: build/typecheck/phasewatch is app/ under its import name.
 typecheck: install
-	mkdir -p build/typecheck && ln -sfn ../../app build/typecheck/phasewatch
 	$(BIN)/mypy
 	$(BIN)/mypy grafana/dashboards.py
-	cd benchmarks && MYPYPATH=../build/typecheck $(abspath $(BIN))/mypy --strict $(BENCH_TYPED)
+	MYPYPATH=app $(BIN)/mypy --strict --explicit-package-bases $(BENCH_TYPED)
 
 # The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
 test: install lint typecheck
 	$(BIN)/pytest -q --durations=15
 
-# The native leg's C (app/proxy/csrc/) under the sanitizers. Both need Debian's clang-14,
-# libfuzzer-14-dev and gcc's libasan (.ci/run installs them).
+# The native leg's C (app/phasewatch/proxy/csrc/) under the sanitizers. Both need Debian's
+# clang-14, libfuzzer-14-dev and gcc's libasan (.ci/run installs them).
 CLANG ?= $(shell command -v clang-14 || command -v clang)
-CSRC := app/proxy/csrc
+CSRC := app/phasewatch/proxy/csrc
 CSRC_PURE := $(CSRC)/scan.c $(CSRC)/itl.c
 FUZZ_TARGETS := take event replay
 FUZZ_SECONDS ?= 60

@@ -44,9 +44,8 @@ non-healthy verdict was held at confidence >= 0.5 between onset and then (burst:
 healthy within 120 s of the burst's end; long: no other verdict after the first right one).
 
 Run: `.venv/bin/python benchmarks/diagnosis_onsets.py [--engine vllm] [--onset-scenario NAME
-...] [--long-minutes 20] [--json out.json]` (or `diagnosis_scenarios.py --onset`). About 4
-minutes a scenario (5 on vLLM, its start included); on the simulator the long ones run beside
-the others.
+...] [--long-minutes 20] [--json out.json]`. About 4 minutes a scenario (5 on vLLM, its start
+included); on the simulator the long ones run beside the others.
 """
 
 from __future__ import annotations

@@ -33,9 +33,8 @@ decode saturation at a concurrency this machine can drive.
 
 Run: `.venv/bin/python benchmarks/diagnosis_scenarios.py [--repeats 3] [--scenario NAME ...]
 [--steady-windows 20] [--json out.json]`. It prints every verdict, the confusion matrix over
-all scenarios and repeats, and the false alarms of the long steady run. With `--onset` it runs
-the onset-timing scenarios instead (`benchmarks/diagnosis_onsets.py`: the schedule running,
-time to the correct verdict, the verdicts seen over time).
+all scenarios and repeats, and the false alarms of the long steady run. Onset timing, with the
+schedule running, is `benchmarks/diagnosis_onsets.py`.
 `tests/diagnosis/test_scenarios.py` runs each scenario once through the same code.
 """
 
@@ -463,10 +462,6 @@ def confusion(outcomes: list[Outcome]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--onset" in argv:  # onset timing with the schedule running: diagnosis_onsets.py
-        from benchmarks.diagnosis_onsets import main as onsets
-
-        return onsets([a for a in argv if a != "--onset"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scenario", action="append", choices=sorted(SCENARIOS))

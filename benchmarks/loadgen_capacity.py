@@ -42,6 +42,7 @@ import json
 import math
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -49,19 +50,23 @@ from pathlib import Path
 from typing import Any
 
 import uvloop
-from proxy_overhead import (
+
+from phasewatch.bench.load import Sender, open_loop
+from phasewatch.bench.stats import concurrency_max
+from phasewatch.bench.workload import client_session, completion_body
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # `python benchmarks/X.py` puts only benchmarks/ there
+    sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.proxy_overhead import (  # noqa: E402
     CLK_TCK,
-    HERE,
     calibrate,
     proc_cpu_ticks,
     start_upstream,
     stop,
     system_busy_ticks,
 )
-
-from phasewatch.bench.load import Sender, open_loop
-from phasewatch.bench.stats import concurrency_max
-from phasewatch.bench.workload import client_session, completion_body
 
 _ID = b'"id":"'
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import orjson
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the sibling benchmark modules, however this one is started
-    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:  # `python benchmarks/X.py` puts only benchmarks/ there
+    sys.path.insert(0, str(HERE.parent))
 
-from proxy_overhead import start_phasewatch, start_upstream, stop  # noqa: E402
+from benchmarks.proxy_overhead import start_phasewatch, start_upstream, stop  # noqa: E402
 
 REQUEST_BODY = orjson.dumps({"model": "m", "prompt": "hello", "stream": True, "max_tokens": 8,
                              "x_interval_ms": 0})

@@ -79,7 +79,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The nginx the scripts compare with unless told another: the one on PATH, else Debian's.
 DEFAULT_NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 # The roles of a phasewatch process's threads in the CPU split (`Server.thread_ticks`); the
-# native relay's thread carries this name (app/proxy/_native.c).
+# native relay's thread carries this name (app/phasewatch/proxy/_native.c).
 THREAD_ROLES = ("event loop", "native relay", "other threads")
 NATIVE_THREAD_NAME = "pw-native-relay"
 
@@ -343,9 +343,12 @@ def store_history(database_url: str, rate: float) -> int:
 
 def source_env(source: Path, tmp: Path) -> dict[str, str]:
     """Run phasewatch from another checkout (`source`, e.g. a git worktree of the previous
-    commit): its `app/` under the import name, ahead of this checkout's editable install."""
+    commit), ahead of this checkout's editable install: its app/ is the source root (an older
+    checkout's app/ is the package itself, reached through a link under the import name)."""
+    if (source / "app" / "phasewatch" / "__init__.py").is_file():
+        return {"PYTHONPATH": str(source.resolve() / "app")}
     if not (source / "app" / "__init__.py").is_file():
-        raise SystemExit(f"--baseline-source {source}: no app/ package there")
+        raise SystemExit(f"--baseline-source {source}: no phasewatch package under app/ there")
     shim = tmp / "baseline-source"
     shim.mkdir()
     (shim / "phasewatch").symlink_to(source.resolve() / "app")

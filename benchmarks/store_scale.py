@@ -411,11 +411,12 @@ async def time_api(base: str, end: datetime, days: float, calls: int) -> dict[st
     rng = random.Random(7)
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-        for name, path, params in (
+        queries: tuple[tuple[str, str, dict[str, str | int]], ...] = (
             ("stats_5m_by_model", "/api/stats", {"window": "5m", "by": "model"}),
             ("stats_1h_by_model", "/api/stats", {"window": "1h", "by": "model"}),
             ("requests_page", "/api/requests", {"limit": 100}),
-        ):
+        )
+        for name, path, params in queries:
             times = []
             for _ in range(calls):
                 until = end - timedelta(days=days * rng.random() * 0.95)

@@ -44,15 +44,15 @@ Figures, per repeat (the table shows medians over `--repeats`):
   (the same loop delays the client's reads, so its lateness is part of every client TTFT).
 
 With `--burst N` the clients are not a closed loop but bursts: every `--burst-gap` seconds, N
-requests at once, each on a new connection (`--bursts` per run; the first burst of a run
-is not measured: it fills phasewatch's upstream pool). This is the shape where requests wait in
-phasewatch's accept queue before anything reads them; phasewatch's arrival is the kernel's
-receipt of a connection's first byte (app/proxy/arrival.py), so that wait is in its TTFT too.
-Each burst request is a plain asyncio stream, not aiohttp (a lighter client, so the burst's
-own work delays its reads less), and its TTFT starts as its request is handed to the kernel,
-once its connection is open: opening N connections from this one event loop takes it tens of
-milliseconds, which is the client's own work and no proxy's. Target for a burst of 100: mean
-difference <= 5 ms, p99 <= 10 ms.
+requests at once, each on a new connection (`--bursts` per run; the first burst of a run is not
+measured: it fills phasewatch's upstream pool). This is the shape where requests wait in
+phasewatch's accept queue before anything reads them; phasewatch's arrival is the kernel's receipt
+of a connection's first byte (app/phasewatch/proxy/arrival.py), so that wait is in its TTFT too.
+Each burst request is a plain asyncio stream, not aiohttp (a lighter client, so the burst's own work
+delays its reads less), and its TTFT starts as its request is handed to the kernel, once its
+connection is open: opening N connections from this one event loop takes it tens of milliseconds,
+which is the client's own work and no proxy's. Target for a burst of 100: mean difference <= 5 ms,
+p99 <= 10 ms.
 
 Percentiles are nearest-rank. The issue's target (at 100 concurrent clients on a quiet
 machine): mean difference <= 2 ms and p99 <= 10 ms, judged on the medians over repeats.
@@ -87,11 +87,11 @@ import orjson
 import uvloop
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the sibling benchmark modules, however this one is started
-    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:  # `python benchmarks/X.py` puts only benchmarks/ there
+    sys.path.insert(0, str(HERE.parent))
 
-from loadgen import request_body  # noqa: E402
-from proxy_overhead import (  # noqa: E402
+from benchmarks.loadgen import request_body  # noqa: E402
+from benchmarks.proxy_overhead import (  # noqa: E402
     CLK_TCK,
     Server,
     calibrate,

@@ -29,7 +29,7 @@ sys.setswitchinterval(0.0005)
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Everything imported to collect the suite lives as long as the process: move it out of
-    the cyclic collector's reach, as `phasewatch serve` does with its heap (app/main.py,
+    the cyclic collector's reach, as `phasewatch serve` does with its heap (app/phasewatch/main.py,
     `freeze_heap`). A full collection of that heap takes ~100 ms on this machine; struck in
     the middle of a timed test (the client and the proxy share this process), it showed as
     tens of ms of client-only TTFT."""
@@ -39,8 +39,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True)
 def no_illegal_transition(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """An exchange's state machine refusing an event (app/proxy/exchange_state.py) is a bug,
-    raised in a callback of a proxy's event loop and logged there: any test it happened in
+    """An exchange's state machine refusing an event (app/phasewatch/proxy/exchange_state.py) is a
+    bug, raised in a callback of a proxy's event loop and logged there: any test it happened in
     fails, whatever it asserted."""
     yield
     refused = [r for r in caplog.records

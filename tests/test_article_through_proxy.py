@@ -12,7 +12,7 @@ time-scale S (every modelled duration takes S x its wall time), so measured wall
 divided by S to compare with model time; S is chosen per test so that Python's per-chunk
 costs (of the client, the proxy and the simulator, on two cores) stay small against a model step
 (~10 ms) times S, while keeping the whole file near 30 s on a 2-core machine. Expected model
-values come from docs/simulator.md (T4 + Qwen2.5-0.5B), via `app/sim/offline.py`.
+values come from docs/simulator.md (T4 + Qwen2.5-0.5B), via `app/phasewatch/sim/offline.py`.
 """
 
 from __future__ import annotations

@@ -96,20 +96,18 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_artefacts_hold_the_package_and_pass_twine(dist: Path) -> None:
     [wheel] = dist.glob("phasewatch-*.whl")
     [sdist] = dist.glob("phasewatch-*.tar.gz")
-    # A platform wheel: the native leg (app/proxy/csrc/) and the diagnosis's loops
-    # (app/diagnosis/_stats.c) are compiled into it.
+    # A platform wheel: the native leg (app/phasewatch/proxy/csrc/) is compiled into it.
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     assert re.fullmatch(rf"phasewatch-{re.escape(__version__)}-{tag}-{tag}-linux_\w+\.whl",
                         wheel.name), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("proxy/_native", "diagnosis/_stats"):
-        assert any(re.fullmatch(rf"phasewatch/{module}\.[\w.-]+\.so", name) for name in names)
-    with tarfile.open(sdist) as archive:  # the sdist builds them again
+    assert any(re.fullmatch(r"phasewatch/proxy/_native\.[\w.-]+\.so", name) for name in names)
+    with tarfile.open(sdist) as archive:  # the sdist builds it again
         sources = archive.getnames()
         for source in ("scan.c", "scan.h", "itl.c", "itl.h", "relay.c", "relay.h", "relay_py.c",
                        "relay_py.h", "module.c"):
-            assert any(name.endswith(f"/app/proxy/csrc/{source}") for name in sources), source
-        assert any(name.endswith("/app/diagnosis/_stats.c") for name in sources)
+            assert any(name.endswith(f"/app/phasewatch/proxy/csrc/{source}")
+                       for name in sources), source
     top = {name.split("/", 1)[0] for name in names}
     assert top == {"phasewatch", f"phasewatch-{__version__}.dist-info"}  # no `app` package
     for needed in ("phasewatch/migrations/env.py", "phasewatch/migrations/script.py.mako",
@@ -131,7 +129,7 @@ def test_the_wheel_installs_as_the_image_does_and_runs_anywhere(
            if not key.startswith(("PHASEWATCH_", "PYTHON", "VIRTUAL_ENV"))}
     run(["sh", str(ROOT / "deploy" / "install-runtime.sh"), str(venv), str(LOCK), str(wheel)],
         tmp_path, {**env, "PYTHON": sys.executable}, timeout=600)
-    work = tmp_path / "elsewhere"  # no source tree, no migrations/ or deploy/ beside it
+    work = tmp_path / "elsewhere"  # no source tree, no migrations or deploy/ beside it
     work.mkdir()
     bin_ = venv / "bin"
     env = {**env, "PATH": f"{bin_}:{env['PATH']}",

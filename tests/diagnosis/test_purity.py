@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-APP = Path(__file__).resolve().parents[2] / "app"
+APP = Path(__file__).resolve().parents[2] / "app" / "phasewatch"
 SHELL = {"service.py", "metrics.py"}  # the diagnosis package's I/O shell and its gauges
 CORE = sorted(p for p in (APP / "diagnosis").glob("*.py") if p.name not in SHELL)
 PURE_ENGINE = [APP / "engine" / name for name in ("parser.py", "window.py", "codec.py")]

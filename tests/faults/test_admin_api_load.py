@@ -230,10 +230,10 @@ def test_the_widest_stats_window_over_a_million_rows_leaves_the_streams_alone(
     # Each kind of call builds and compiles its statements the first time (tens of ms, once
     # per process); the steady state is what repeats.
     Calls(proxy.url, until).run(rounds=1)
-    # As `phasewatch serve` does (app/main.py, freeze_heap): what exists once started lives as
-    # long as the process, so full collections need not walk it (here: this proxy and its
-    # database; tests/conftest.py froze what the suite imported). Frozen objects are still
-    # freed by reference counting; only a cycle among them would outlive the test.
+    # As `phasewatch serve` does (app/phasewatch/main.py, freeze_heap): what exists once started
+    # lives as long as the process, so full collections need not walk it (here: this proxy and its
+    # database; tests/conftest.py froze what the suite imported). Frozen objects are still freed by
+    # reference counting; only a cycle among them would outlive the test.
     gc.collect()
     gc.freeze()
     for attempt in range(ATTEMPTS):

@@ -1,4 +1,4 @@
-/* libFuzzer target: `pw_token_event` (app/proxy/csrc/scan.c), which the Python path calls on
+/* libFuzzer target: `pw_token_event` (app/phasewatch/proxy/csrc/scan.c), which the Python path calls on
  * every whole one-line event of an exactly counted stream (stream.py `_token_chunk`).
  * Checked: a taken event's counts are counts, and its usage span lies inside it, starts at
  * the key (or the comma before it) and ends after the object's closing brace.

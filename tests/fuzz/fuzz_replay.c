@@ -1,4 +1,4 @@
-/* libFuzzer target: `pw_itl_replay` (app/proxy/csrc/itl.c) over whatever counts and times an
+/* libFuzzer target: `pw_itl_replay` (app/phasewatch/proxy/csrc/itl.c) over whatever counts and times an
  * upstream's usage can make it see: the input is the stream's state (count, time) and then
  * (time, count, prompt) int64 triples; bounds are the ITL histogram's shape, +Inf last.
  * Checked: one gap and one count per event at most; the tally holds every token observed;

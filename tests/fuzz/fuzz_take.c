@@ -1,4 +1,4 @@
-/* libFuzzer target: `pw_take` (app/proxy/csrc/scan.c) as the relay's thread drives it.
+/* libFuzzer target: `pw_take` (app/phasewatch/proxy/csrc/scan.c) as the relay's thread drives it.
  *
  * Input: one byte of flags (strip, hold, pending), one byte seeding where the bytes are split
  * into reads, then the upstream's body bytes. Each read is appended to what the last call left

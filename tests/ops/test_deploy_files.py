@@ -187,7 +187,7 @@ def stages() -> dict[str, list[tuple[str, str]]]:
 def test_image_builds_the_wheel_and_installs_it_locked_as_a_user() -> None:
     build, runtime = stages()["build"], stages()["runtime"]
     copied = [args.split()[0] for op, args in build if op == "COPY"]
-    assert {"pyproject.toml", "app", "migrations"} <= set(copied)
+    assert {"pyproject.toml", "app"} <= set(copied)
     assert any("python -m build --wheel" in args for op, args in build if op == "RUN")
     # The runtime stage installs the wheel (never editable) with the install script the tests
     # run (tests/test_packaging.py), from the lock, and runs as a non-root user.

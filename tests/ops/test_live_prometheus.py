@@ -33,8 +33,8 @@ from tests.support.servers import free_port, subprocess_server, wait_http
 
 DASHBOARD = ROOT / "grafana" / "dashboards" / "phasewatch.json"
 
-# Exported by the diagnosis (app/diagnosis) on the proxy's /metrics; their panels are checked
-# like every other.
+# Exported by the diagnosis (app/phasewatch/diagnosis) on the proxy's /metrics; their panels are
+# checked like every other.
 DIAGNOSIS_METRICS = ("phasewatch_diagnosis_verdict", "phasewatch_diagnosis_confidence")
 
 

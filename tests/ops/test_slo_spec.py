@@ -72,7 +72,7 @@ def test_slo_render_refuses_and_writes_nothing(
     assert main(["slo", "render", "--file", str(slo_file)]) == 2
     error = capsys.readouterr().err
     assert f"{slo_file}: models.0.itl.threshold_s 0.045 is not a bucket edge" in error
-    assert "ITL_BUCKETS in app/core/metrics.py" in error
+    assert "ITL_BUCKETS in phasewatch.core.metrics" in error
     assert main(["slo", "check", "--file", str(slo_file)]) == 2
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["slo.yaml"]
 

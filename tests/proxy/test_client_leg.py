@@ -1,9 +1,9 @@
 """The client leg starts and ends a chunked response as uvicorn's own `send` does
-(app/proxy/client_leg.py): the same bytes, and the same state of uvicorn's cycle after (what
-keep-alive, pipelining and the end of the ASGI call read), with keep-alive on and off and the
-access log on and off. Compared against uvicorn's `RequestResponseCycle` itself, each on a
-transport that records its writes: two writers of the same bytes need no socket to be told
-apart, and the end-to-end path is in test_native_relay.py."""
+(app/phasewatch/proxy/client_leg.py): the same bytes, and the same state of uvicorn's cycle after
+(what keep-alive, pipelining and the end of the ASGI call read), with keep-alive on and off and the
+access log on and off. Compared against uvicorn's `RequestResponseCycle` itself, each on a transport
+that records its writes: two writers of the same bytes need no socket to be told apart, and the
+end-to-end path is in test_native_relay.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exchange's state machine (app/proxy/exchange_state.py): every phase answers every
+"""The exchange's state machine (app/phasewatch/proxy/exchange_state.py): every phase answers every
 event, by a move in the table or by refusing it; the first ending wins; what may still
 arrive after an ending leaves it as it is; nothing leaves an ending but a retry of a
 connection broken before any answer."""

@@ -1,4 +1,5 @@
-"""The native relay (app/proxy/native.py, _native.c) changes nothing a client or a record sees.
+"""The native relay (app/phasewatch/proxy/native.py, _native.c) changes nothing a client or a record
+sees.
 
 Each stream here goes through two proxies under uvicorn, one with the native relay and one
 without, from a raw upstream that writes exactly the HTTP/1.1 chunks a test scripts (so a
@@ -523,9 +524,9 @@ def _unchunked(body: bytes) -> bytes:
 
 def test_a_scrape_counts_every_token_the_native_leg_relayed_before_it(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
-    # 30 tokens, then the stream stays open. The live registry's passes replay a native
-    # stream's log only every REPLAY_S (app/proxy/live.py), so within the first seconds only
-    # the scrape's own refresh can bring these tokens into the ITL histogram.
+    # 30 tokens, then the stream stays open. The live registry's passes replay a native stream's log
+    # only every REPLAY_S (app/phasewatch/proxy/live.py), so within the first seconds only the
+    # scrape's own refresh can bring these tokens into the ITL histogram.
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 30), 30.0,
                            *_ending(30)]
     proxy = make_proxy(raw_upstream.url, native_relay=True)

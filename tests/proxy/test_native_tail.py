@@ -1,4 +1,4 @@
-"""The native leg's stream tail (app/proxy/csrc/), driven directly over socket pairs.
+"""The native leg's stream tail (app/phasewatch/proxy/csrc/), driven directly over socket pairs.
 
 After the running token chunks the thread also relays what ends a stream, as the Python path
 does: the terminal chunk (held for the usage chunk's fingerprint when that chunk is cut), the

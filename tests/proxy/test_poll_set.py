@@ -1,4 +1,5 @@
-"""The loop's poll set (app/core/event_loop.py): a paused socket out of uvloop's epoll set at once.
+"""The loop's poll set (app/phasewatch/core/event_loop.py): a paused socket out of uvloop's epoll
+set at once.
 
 libuv takes a socket whose reading stopped out of its epoll set only when an event next comes
 for it, waking the loop for nothing else. The relay pauses the upstream's transport for every

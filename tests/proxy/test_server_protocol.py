@@ -1,7 +1,7 @@
-"""phasewatch's server protocol (app/proxy/client_leg.py) and its one dependency on uvicorn's
-internals: heads that never end are answered and closed; a connection's first request is
-stamped from the kernel's receipt of its first byte (app/proxy/arrival.py); the adapter runs
-only on the uvicorn it was tested with."""
+"""phasewatch's server protocol (app/phasewatch/proxy/client_leg.py) and its one dependency on
+uvicorn's internals: heads that never end are answered and closed; a connection's first request is
+stamped from the kernel's receipt of its first byte (app/phasewatch/proxy/arrival.py); the adapter
+runs only on the uvicorn it was tested with."""
 
 from __future__ import annotations
 

@@ -165,7 +165,7 @@ def test_a_call_past_its_time_budget_is_answered_503(
 def test_a_query_whose_caller_gave_up_stops_in_the_database(database_url: str) -> None:
     """Cancelling the caller stops its query: asyncpg cancels it on the server; an SQLite
     query would run on in aiosqlite's thread (and its connection's close would wait for it)
-    but is interrupted (app/core/db.py)."""
+    but is interrupted (app/phasewatch/core/db.py)."""
     slow = ("SELECT pg_sleep(30)" if database_url.startswith("postgresql") else
             "WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c "
             "WHERE i < 1000000000) SELECT count(*) FROM c")

@@ -72,7 +72,7 @@ def test_over_long_client_text_is_cut_not_a_poison_batch(
     send(proxy, "m" * 400, FAST, run_id="r" * 300, request_id="q" * 500)
     send(proxy, "alpha", FAST, request_id="after")
     rows = wait_stored(proxy, 2)
-    # The model as labels keep it (app/proxy/labels.py); the rest cut by the writer.
+    # The model as labels keep it (app/phasewatch/proxy/labels.py); the rest cut by the writer.
     assert [len(rows[0][k]) for k in ("model", "run_id", "request_id")] == [128, 64, 128]
     assert rows[1]["request_id"] == "after"
 

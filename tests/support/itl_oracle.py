@@ -1,9 +1,9 @@
 """Test oracles: the replay arithmetic and the nearest-rank percentiles, in plain Python.
 
-`replay_py` is what `phasewatch.proxy._native.replay_exact` (app/proxy/csrc/itl.c) must return
-for the same arguments, every double equal: for events of an exactly counted stream whose
-running count stood at `seen` and last rose at `last` (ns), with the stream's largest gap and
-gap total so far, it returns
+`replay_py` is what `phasewatch.proxy._native.replay_exact` (app/phasewatch/proxy/csrc/itl.c) must
+return for the same arguments, every double equal: for events of an exactly counted stream whose
+running count stood at `seen` and last rose at `last` (ns), with the stream's largest gap and gap
+total so far, it returns
 - `gaps`: the gap of each event that carried tokens, in order (seconds: an event of k tokens
   has a gap of its time since the last / k, for each of its k tokens), as native doubles' bytes;
 - `tokens`: the tokens each of those events carried, as int64s' bytes; None when each carried one;
@@ -13,9 +13,10 @@ gap total so far, it returns
 - `sample_sum`: the samples' sum, each event's gap x its tokens, added in order;
 - `marked`: (bucket index, gap) for each bucket whose exemplar these samples set (only when
   `exemplars`): the last gap in it that was the stream's largest so far when it came;
-- the running count, the time it last rose, the new gap total, and the largest gap so far.
-A count past `MAX_TOKEN_COUNT` (or below 0) is not one (events.py): its event carries no token.
-`nearest_ranks_py` is what `_native.nearest_ranks` returns (app/core/quantiles.py's rule).
+- the running count, the time it last rose, the new gap total, and the largest gap so far. A count
+  past `MAX_TOKEN_COUNT` (or below 0) is not one (events.py): its event carries no token.
+  `nearest_ranks_py` is what `_native.nearest_ranks` returns (app/phasewatch/core/quantiles.py's
+  rule).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A stream held by the native relay's thread (app/proxy/csrc/relay.c) between two socket pairs
-a test drives: the upstream's side to write, the client's side to read."""
+"""A stream held by the native relay's thread (app/phasewatch/proxy/csrc/relay.c) between two socket
+pairs a test drives: the upstream's side to write, the client's side to read."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A test takes a `Snapshot` before and after its requests and compares the deltas with what
 phasewatch recorded. Names changed across vLLM versions; `first_present` picks the one this
-server exposes. This is a test helper, not the product's scraper (app/engine does that).
+server exposes. This is a test helper, not the product's scraper (app/phasewatch/engine does that).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """phasewatch's TTFT and ITL against a real vLLM: per request against what the client measured,
 and against vLLM's own histograms (their sum/count deltas around each request).
 
-Clocks: the client takes `perf_counter()` before sending and when each read returns; the proxy
-takes `perf_counter_ns()` at arrival and at each read from vLLM (app/proxy/timing.py); vLLM
-stamps TTFT and E2E when its frontend handles the output (wall clock, from its own arrival) and
-each ITL from the engine core's timestamps. So, for every request, without any tolerance but a
+Clocks: the client takes `perf_counter()` before sending and when each read returns; the proxy takes
+`perf_counter_ns()` at arrival and at each read from vLLM (app/phasewatch/proxy/timing.py); vLLM
+stamps TTFT and E2E when its frontend handles the output (wall clock, from its own arrival) and each
+ITL from the engine core's timestamps. So, for every request, without any tolerance but a
 millisecond of clock granularity:
 
     vLLM TTFT <= proxy TTFT <= client TTFT, and vLLM E2E <= proxy E2E <= client E2E.
@@ -142,8 +142,8 @@ def test_the_native_relay_carried_the_streams(observed: list[Observed],
                                               vllm_proxy_module: Proxy,
                                               vllm_server: VLLMServer) -> None:
     """vLLM's head, role chunk and running token chunks pass the native relay's tests
-    (app/proxy/_native.c): each stream above, and each of the warm-up round, was handed to it
-    as its request went out and never came back before its end (one handoff each), so the
+    (app/phasewatch/proxy/_native.c): each stream above, and each of the warm-up round, was handed
+    to it as its request went out and never came back before its end (one handoff each), so the
     figures checked here are the native leg's, TTFT included."""
     handed = vllm_proxy_module.sample("phasewatch_native_relay_streams_total")
     streams = len(observed) + len(kinds(vllm_server.model))
