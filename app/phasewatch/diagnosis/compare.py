@@ -19,10 +19,11 @@ thousand replicates cost milliseconds whatever the sample size.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import numpy as np
 
 from phasewatch.diagnosis.statistics import (
     Moments,
@@ -32,6 +33,7 @@ from phasewatch.diagnosis.statistics import (
     quantile_replicates,
     rank_of,
     ratio,
+    ratios,
 )
 
 Center = Literal["median", "mean"]
@@ -101,36 +103,35 @@ def compare(
     *,
     threshold: float,
     alpha: float,
-    rng: random.Random,
+    rng: np.random.Generator,
     rounds: int,
     center: Center = "median",
     tail: bool = True,
 ) -> Shift | None:
     """Compare two samples of a positive figure; None when either is empty. `tail=False`
     judges the centre only (for a figure whose cause moves every value, not a few)."""
-    if not window or not baseline:
+    if not len(window) or not len(baseline):
         return None
-    w, b = sorted(window), sorted(baseline)
-    nw, nb = len(w), len(b)
-    w95, b95 = w[rank_of(0.95, nw) - 1], b[rank_of(0.95, nb) - 1]
+    w = np.sort(np.asarray(window, dtype=np.float64))
+    b = np.sort(np.asarray(baseline, dtype=np.float64))
+    nw, nb = w.size, b.size
+    w95, b95 = float(w[rank_of(0.95, nw) - 1]), float(b[rank_of(0.95, nb) - 1])
     if center == "median":
-        wc, bc = w[rank_of(0.5, nw) - 1], b[rank_of(0.5, nb) - 1]
+        wc, bc = float(w[rank_of(0.5, nw) - 1]), float(b[rank_of(0.5, nb) - 1])
     else:
-        wc, bc = math.fsum(w) / nw, math.fsum(b) / nb
+        wc, bc = float(w.mean()), float(b.mean())
     test = mann_whitney_greater(w, b)
 
     ranks_w = (rank_of(0.5, nw), rank_of(0.95, nw))
     ranks_b = (rank_of(0.5, nb), rank_of(0.95, nb))
-    moments_w, moments_b = Moments.of(w), Moments.of(b)
     w50, w95r = quantile_replicates(w, ranks_w, rounds, rng)
     b50, b95r = quantile_replicates(b, ranks_b, rounds, rng)
     if center == "mean":
-        centers = [ratio(x, y) for x, y in zip(mean_replicates(moments_w, rounds, rng),
-                                               mean_replicates(moments_b, rounds, rng),
-                                               strict=True)]
+        centers = ratios(mean_replicates(Moments.of(w), rounds, rng),
+                         mean_replicates(Moments.of(b), rounds, rng))
     else:
-        centers = [ratio(x, y) for x, y in zip(w50, b50, strict=True)]
-    tails = [ratio(x, y) for x, y in zip(w95r, b95r, strict=True)]
+        centers = ratios(w50, b50)
+    tails = ratios(w95r, b95r)
     ratio_ci = interval(centers)
     ratio_p95_ci = interval(tails)
     point = ratio(wc, bc)
@@ -138,11 +139,11 @@ def compare(
         p_value = test.p_value
     else:
         # Bootstrap one-sided p-value: the share of replicates that show no rise.
-        p_value = sum(1 for c in centers if c <= 1.0) / rounds
+        p_value = float(np.mean(centers <= 1.0))
     tail = tail and center == "median" and ratio_p95_ci[0] >= threshold
-    support = sum(1 for c in centers if c >= threshold) / rounds
+    support = float(np.mean(centers >= threshold))
     if tail:
-        support = max(support, sum(1 for t in tails if t >= threshold) / rounds)
+        support = max(support, float(np.mean(tails >= threshold)))
     return Shift(
         center=center,
         threshold=threshold,

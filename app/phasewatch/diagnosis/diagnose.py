@@ -37,9 +37,10 @@ randomness from `rules.seed`, so equal inputs give equal findings.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
 
 from phasewatch.core.quantiles import percentile
 from phasewatch.diagnosis.compare import Center, Shift, compare, finite
@@ -241,7 +242,7 @@ class Measures:
 
 def _measure(window: Sample, baseline: Sample, w_timed: list[Observation],
              b_timed: list[Observation], rules: Rules) -> Measures:
-    rng = random.Random(rules.seed)
+    rng = np.random.default_rng(rules.seed)
     enough = max(5, math.ceil(rules.min_samples / 2))
 
     def cmp(w: list[float], b: list[float], threshold: float, center: Center = "median",

@@ -21,10 +21,11 @@ when nearly every request has token gaps (streams of one token have none).
 from __future__ import annotations
 
 import math
-import random
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from phasewatch.core.quantiles import percentile
 from phasewatch.diagnosis.compare import Shift, compare
@@ -105,7 +106,7 @@ def relative_ttft(
 
 def adjusted_shift(
     adjusted: Adjusted, *, min_samples: int, min_coverage: float, threshold: float,
-    alpha: float, rng: random.Random, rounds: int,
+    alpha: float, rng: np.random.Generator, rounds: int,
 ) -> Shift | None:
     """The window-vs-baseline comparison of relative TTFT; None when too little of the window
     has a baseline to compare with."""
