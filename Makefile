@@ -99,9 +99,13 @@ lock: install
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
 
-# Operations: Prometheus rules from deploy/slo.yaml, Grafana dashboards from grafana/dashboards.py.
-# Both outputs are committed; the tests fail when they are stale.
-.PHONY: slo dashboards
+# Generated and committed: Prometheus rules from deploy/slo.yaml, Grafana dashboards from
+# grafana/dashboards.py, docs/configuration.md from the settings model. The tests fail when
+# any is stale.
+.PHONY: slo dashboards configuration
+
+configuration: install
+	$(BIN)/python -m phasewatch.core.settings_doc > docs/configuration.md
 
 slo: install
 	$(BIN)/phasewatch slo render

@@ -4,12 +4,9 @@ speed is judged by running the scripts themselves, not by timed tests."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,3 +71,9 @@ def test_ttft_truth_burst_quick(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["joined"] == summary["sent"] == 16
+
+
+def test_diagnosis_round_quick(tmp_path: Path) -> None:
+    result = run("diagnosis_round.py", tmp_path)
+    side = result["this checkout"]
+    assert isinstance(side, dict) and side["rounds"] == 5 and side["median_ms"] > 0

@@ -10,8 +10,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from phasewatch.core.settings import SettingsError, load_settings
+from phasewatch.core import settings_doc
+from phasewatch.core.settings import Settings, SettingsError, load_settings
 from tests.support.servers import free_port, subprocess_server, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_configuration_page_is_the_settings_model() -> None:
+    """docs/configuration.md is generated from the model (`make configuration`): a setting
+    added, removed, renamed, re-defaulted or re-described without it fails here."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == settings_doc.render(), "docs/configuration.md is stale: run make configuration"
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"{name} has no docstring in settings.py"
+        assert f"`{settings_doc.variable(name, field)}`" in page
+    assert settings_doc.SECTIONS[0][1] == next(iter(Settings.model_fields))
 
 
 def test_defaults_need_no_configuration() -> None:

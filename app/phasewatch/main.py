@@ -1,15 +1,13 @@
 """The application factory: `create_app(settings)` wires the proxy together. Nothing at import time.
 
-The lifespan builds the database engine (checking the schema), the record writer and the live
-registry's task (idle timeout, live gauges), the upstream client and the metrics, the diagnosis
-(docs/diagnosis.md), and the leadership that runs retention, the engine-metrics scrape and the
-diagnosis schedule in one process per database (app/phasewatch/store/leader.py). `serve_app` is what
-`phasewatch serve` runs in each of its workers; `/metrics` serves all of theirs
-(app/phasewatch/core/exposition.py). A small pure-ASGI dispatcher sends the two timed inference
-paths straight to the relay and everything that is not phasewatch's own (`/metrics`, `/api/...`, the
-OpenAPI docs) to the pass-through; only the latter reach FastAPI. Keeping the hot path out of
-FastAPI's middleware stack saves about 15% of the CPU per relayed chunk (measured); no HTTP
-middleware at all (a BaseHTTPMiddleware doubles that cost).
+The lifespan builds the database engine (checking the schema), the record writer, the live
+registry's task, the upstream client, the metrics, the diagnosis and the leadership that runs
+retention, the engine scrape and the diagnosis schedule in one process per database
+(store/leader.py). `serve_app` is what `phasewatch serve` runs in each worker.
+
+Invariant: the two timed inference paths go from a small pure-ASGI dispatcher straight to the
+relay; only phasewatch's own routes (`/metrics`, `/api/...`, the OpenAPI docs) and the
+pass-through reach FastAPI, and there is no HTTP middleware on the hot path.
 """
 
 from __future__ import annotations
@@ -145,9 +143,8 @@ def create_app(
 
     `freeze_heap` is for the process that runs only this app (`phasewatch serve`): once
     started, everything built so far lives as long as the process, so it is moved out of the
-    cyclic collector's reach (`gc.freeze`). Otherwise each full collection walks that whole
-    heap and stalls every open stream for tens of milliseconds (measured in the overhead
-    benchmark as chunk-lag p99).
+    cyclic collector's reach (`gc.freeze`) and no full collection walks it while streams
+    wait.
     """
     registry = registry if registry is not None else CollectorRegistry()
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
@@ -308,18 +305,17 @@ def serve_app() -> Phasewatch:
     pid = " [%(process)d]" if settings.workers > 1 else ""
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(levelname)s %(name)s{pid}: %(message)s")
-    # The relay's event loop shares the GIL with background threads: the diagnosis's
-    # statistics (about 0.1 s of CPU per round once there is a baseline), the SQLite driver,
-    # the OpenTelemetry exporter. CPython makes a thread that wants the GIL wait up to the
-    # switch interval (5 ms by default) for it, so each such thread held chunks back by up to
-    # 5 ms per loop wake-up (chunk lag p99 +14 ms at 256 streams, docs/benchmarks.md). A
-    # thread computing now yields the GIL to the loop within 0.5 ms.
+    # The relay's event loop shares the GIL with background threads (the diagnosis's
+    # statistics, the SQLite driver, the OpenTelemetry exporter): a thread computing yields it
+    # to the loop within the switch interval, 0.5 ms here instead of CPython's 5 ms, so no
+    # thread holds chunks back longer than that per wake-up (docs/benchmarks.md, "Garbage
+    # collection and the GIL").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # A full collection walks every long-lived object: under load, every request in flight, a
     # pause each open stream feels. Full collections come after 100 middle ones (CPython: 10)
     # and young ones after 10,000 allocations (CPython: 700): fewer, still short pauses, for a
     # little cyclic garbage kept longer; reference counting frees nearly everything as before.
-    # The measurements are in docs/benchmarks.md ("Garbage collection").
+    # The measurements are in docs/benchmarks.md ("Garbage collection and the GIL").
     _, middle, _ = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_AFTER, middle, FULL_COLLECTION_AFTER)
     return create_app(settings, freeze_heap=True)

@@ -21,149 +21,174 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseSettings):
+    """Every setting, one `PHASEWATCH_<NAME>` variable each. Each field's docstring is its
+    description in docs/configuration.md (generated: `make configuration`)."""
+
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True,
-                                      populate_by_name=True)
+                                      populate_by_name=True, use_attribute_docstrings=True)
 
-    # Where the OpenAI-compatible engine (vLLM) listens.
+    # Listening and upstream.
     upstream_url: AnyHttpUrl = Field(default=AnyHttpUrl("http://127.0.0.1:8000"))
+    """The OpenAI-compatible engine (vLLM) phasewatch relays to."""
     host: str = "127.0.0.1"
+    """The address the proxy listens on."""
     port: int = Field(default=8080, ge=1, le=65535)
-    # Processes serving that one port (`phasewatch serve --workers N`). One by default: a worker
-    # buys a core, not efficiency (each has its own upstream pool and record writer, and their
-    # metrics go through files), so add workers when one core no longer keeps up; README, "How
-    # to scale".
+    """The port the proxy listens on."""
     workers: int = Field(default=1, ge=1, le=256)
-    # Where each worker keeps its metrics, for any worker to serve them all on /metrics: the
-    # variable prometheus_client itself reads. `phasewatch serve` sets it (a fresh temporary
-    # directory) when it runs more than one worker; set it to choose the place (a tmpfs).
+    """Processes serving that one port (`phasewatch serve --workers N`). A worker buys a core,
+    not efficiency: add workers when one core no longer keeps up (docs/operations.md, "How to
+    scale")."""
     metrics_dir: Path | None = Field(default=None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
-
-    # Upstream connection policy. A stream may sit silent for a long queue wait or a long
-    # prefill, so the only read timeout is the gap allowed between two reads, and it is long.
+    """With more than one worker, where each keeps its metrics for `/metrics` to merge (emptied
+    at startup; `phasewatch serve` makes a temporary directory when unset). Set it to choose
+    the place, say a tmpfs. Read from `PROMETHEUS_MULTIPROC_DIR`, prometheus_client's own
+    variable."""
     upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
+    """Connecting to the upstream."""
     upstream_idle_timeout_s: float = Field(default=600.0, gt=0)
-    # Open connections to the upstream at once; 0 means no limit.
+    """The longest silence between two reads from the upstream, the wait for a response's head
+    included (checked every min(1 s, timeout / 4)). There is no total timeout: long queue waits
+    and prefills are never cut."""
     upstream_max_connections: int = Field(default=0, ge=0)
-    # Ask the upstream for per-chunk usage (`continuous_usage_stats`, a vLLM extension) so
-    # each chunk's token count is exact. Turn off for upstreams that reject the field.
+    """Open upstream connections at most, for the timed relay and separately for the
+    pass-through; a request over the cap waits for one. 0: no cap."""
     upstream_continuous_usage: bool = True
-    # Relay the running token chunks of an exactly counted stream in the native thread
-    # (app/phasewatch/proxy/native.py) on Linux; off: every read goes through Python.
+    """Ask the upstream for per-chunk usage (`continuous_usage_stats`, a vLLM extension) so
+    every token count is exact; turn off for upstreams that reject the field."""
     native_relay: bool = True
-    # A request's head (and a new connection's first one) must arrive within this long, or the
-    # client gets a 408 and the connection is closed: a half-sent head holds nothing forever.
+    """Relay the body of an exactly counted stream in the native relay's thread (Linux);
+    `false`: every read goes through Python."""
+
+    # Clients.
     client_head_timeout_s: float = Field(default=30.0, gt=0)
-    # A client that takes nothing of its stream for this long (its socket buffer full) is cut
-    # off and its upstream request closed, rather than holding an engine slot until the
-    # upstream idle timeout.
+    """A request's head must arrive within this long of its first byte (a new connection's
+    first, of the connection's start), or the client gets `408` (`request_timeout`) and the
+    connection is closed."""
     client_stall_timeout_s: float = Field(default=60.0, gt=0)
-    # A decoding stream silent for longer than this counts as stalled on the live gauge
-    # `phasewatch_streams_stalled` (a long prefill of another request, a stuck engine).
-    stall_threshold_s: float = Field(default=5.0, gt=0)
-
-    # The SLO thresholds; they become exact bucket edges of the TTFT and ITL histograms.
-    slo_ttft_s: float = Field(default=0.5, gt=0)
-    slo_itl_s: float = Field(default=0.04, gt=0)
-
-    # The largest request body accepted (bytes); a larger one is answered 413 and never read
-    # whole. 16 MiB holds any text prompt of a long context (and token-id prompts) with room.
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
-    # Shutdown (README, "Stopping"): on SIGTERM open streams may run this long before they are
-    # ended with an in-band error; keep it below the orchestrator's kill deadline (Kubernetes'
-    # terminationGracePeriodSeconds) less `shutdown_flush_s` and a few seconds.
-    shutdown_grace_s: float = Field(default=60.0, ge=0)
-    # Then the queued records are stored for up to this long.
-    shutdown_flush_s: float = Field(default=10.0, gt=0)
-    # Readiness (`/api/ready`) fails once records have failed to store for this long.
-    ready_writer_failing_s: float = Field(default=30.0, gt=0)
-    # The admin surface (/api, the API docs, the run-id header): closed unless a token is set
-    # (then callers send it as x-phasewatch-admin-token) or it is opened to everyone.
-    admin_token: SecretStr | None = None
-    admin_open: bool = False
-    # A scrape of /metrics is rendered off the event loop and reused for this long, so that
-    # any number of scrapers costs at most one render per interval.
-    metrics_cache_s: float = Field(default=1.0, ge=0)
-    # TTFT and ITL buckets carry the id of a request that landed in them (OpenMetrics
-    # exemplars, served when the scraper asks for OpenMetrics; one process only: under
-    # several workers prometheus_client keeps none).
-    exemplars: bool = True
-    # OpenTelemetry (README, "OpenTelemetry (OTLP)"): with the `otel` extra installed, export
-    # the GenAI metrics and one span per relayed request over OTLP/HTTP, configured by the
-    # standard OTEL_* variables. Off by default; off, no OpenTelemetry code runs.
-    otel_enabled: bool = False
-    # `gen_ai.provider.name` on what is exported: the engine behind the proxy.
-    otel_provider_name: str = Field(default="vllm", min_length=1, max_length=64)
-    # uvicorn's access log (one line per request, with its path and query string, which can
-    # carry what clients consider private): off unless an operator turns it on.
-    access_log: bool = False
-    # Client connections a worker holds at once (each stream also needs an upstream one);
-    # past it new connections get a 503. 0: as many as the open-file limit allows, which
-    # `phasewatch serve` raises to its hard limit ((limit - 64) / 4 with the native relay,
-    # whose streams hold a duplicate of both descriptors; (limit - 64) / 2 without).
+    """A client that reads nothing of its stream for this long (its socket buffers full) is cut
+    off and its upstream request closed, so it does not hold an engine slot."""
     max_client_connections: int = Field(default=0, ge=0)
-    # Distinct model names that get their own metric label; later ones share "other".
+    """Client connections a worker holds at once; past it a new one gets `503` at once. 0:
+    (open-file limit - 64) / 4 with the native relay, / 2 without (`phasewatch serve` raises
+    the soft limit to the hard one)."""
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    """The largest request body accepted; a larger one gets `413` (`invalid_request_error`)
+    and the connection is closed without reading the rest."""
+
+    # Metrics.
+    slo_ttft_s: float = Field(default=0.5, gt=0)
+    """The TTFT objective; an exact bucket edge of the TTFT histogram."""
+    slo_itl_s: float = Field(default=0.04, gt=0)
+    """The ITL objective; an exact bucket edge of the ITL histogram."""
+    stall_threshold_s: float = Field(default=5.0, gt=0)
+    """A decoding stream silent for longer than this counts on `phasewatch_streams_stalled`."""
     max_model_labels: int = Field(default=32, ge=1)
-    # Finished-request records waiting to be stored; past this, records are dropped and counted.
-    record_queue_size: int = Field(default=10_000, ge=1)
-    # Bounds of the admin API, which shares the relay's event loop (README, "Read API"):
-    # `/api/stats` answers windows up to `api_max_window_s` and reads at most `api_max_rows`
-    # rows for its percentiles (a uniform sample of a window that holds more); any `/api` call
-    # still running after `api_timeout_s` is stopped, its database query with it, and
-    # answered 503.
-    api_max_window_s: float = Field(default=7 * 86400.0, gt=0)
-    api_max_rows: int = Field(default=20_000, ge=100)
-    api_timeout_s: float = Field(default=10.0, gt=0)
+    """Model names with their own metric label; the rest share `other`."""
+    metrics_cache_s: float = Field(default=1.0, ge=0)
+    """A `/metrics` render (made in a worker thread, one at a time) is reused for this long, so
+    any number of scrapers costs at most one render per interval. 0: render every scrape."""
+    exemplars: bool = True
+    """TTFT and ITL buckets carry a request's id as an OpenMetrics exemplar (one worker only:
+    under several, prometheus_client keeps none)."""
+    otel_enabled: bool = False
+    """Export the OpenTelemetry GenAI metrics and a span per request over OTLP/HTTP, configured
+    by the standard `OTEL_*` variables (needs the `otel` extra). Off: no OpenTelemetry code
+    runs."""
+    otel_provider_name: str = Field(default="vllm", min_length=1, max_length=64)
+    """`gen_ai.provider.name` on what is exported: the engine behind the proxy."""
 
-    # Where records and runs are stored: an SQLite file by default (created on first start),
-    # or `postgresql+asyncpg://user@host:5432/db`.
-    database_url: str = "sqlite+aiosqlite:///phasewatch.db"
-    # Apply pending migrations at startup instead of refusing to start on an old schema.
-    database_auto_upgrade: bool = False
-    # The background writer stores records in batches of up to this many, at least this often.
-    writer_batch_size: int = Field(default=100, ge=1)
-    writer_flush_interval_s: float = Field(default=1.0, gt=0)
-    # Raw request rows are kept this long (per-minute rollups are kept); 0 keeps them forever.
-    retention_days: float = Field(default=14.0, ge=0)
-    retention_interval_s: float = Field(default=300.0, gt=0)
-
-    # Diagnosis (docs/diagnosis.md): every `diagnosis_interval_s`, each active model's last
-    # `diagnosis_window_s` is judged against the `diagnosis_baseline_s` before it; the verdict
-    # is exported as metrics and each change is stored. 0 turns the schedule off (the API
-    # still answers).
-    diagnosis_interval_s: float = Field(default=10.0, ge=0)
-    diagnosis_window_s: float = Field(default=300.0, gt=0)
-    diagnosis_baseline_s: float = Field(default=3600.0, gt=0)
-    # The schedule judges the last `diagnosis_recent_s` when it holds enough requests (a change
-    # shows within a minute), else the whole window.
-    diagnosis_recent_s: float = Field(default=60.0, gt=0)
-    # Hysteresis: a new verdict replaces the schedule's current one after this many rounds in a
-    # row, or, from healthy to an incident, at once when its confidence is at least
-    # `diagnosis_switch_confidence`.
-    diagnosis_hold_rounds: int = Field(default=2, ge=1)
-    diagnosis_switch_confidence: float = Field(default=0.95, gt=0, le=1)
-    # Live snapshots (requests still in flight) count when taken this long before `until`.
-    diagnosis_live_max_age_s: float = Field(default=10.0, gt=0)
-    # Every process publishes its requests in flight this often (0: never), at most this many.
-    # Half the schedule's interval: each round reads a snapshot at most that old. A snapshot
-    # costs each open stream's figures, so at a thousand streams it is worth not taking more.
-    live_snapshot_interval_s: float = Field(default=5.0, ge=0)
-    live_snapshot_max_requests: int = Field(default=1000, ge=1)
-    # Timed requests each side needs before anything is judged (else "insufficient data").
-    diagnosis_min_samples: int = Field(default=20, ge=5)
-    # Requests read per span at most; a larger span is evenly thinned to this many.
-    diagnosis_max_samples: int = Field(default=3000, ge=100)
-    # The engine's own Prometheus metrics (vLLM's /metrics), read to corroborate a diagnosis.
-    # Default: the upstream's /metrics; engine_metrics_enabled=false turns scraping off.
-    engine_metrics_url: AnyHttpUrl | None = None
-    engine_metrics_enabled: bool = True
-    engine_scrape_interval_s: float = Field(default=15.0, gt=0)
-    engine_scrape_timeout_s: float = Field(default=5.0, gt=0)
-    # Retention, the diagnosis schedule and the engine scrape run in one process per database
-    # (app/phasewatch/store/leader.py): the others try to take the lead this often, and the leader
-    # checks it still holds it as often.
-    leader_check_interval_s: float = Field(default=5.0, gt=0)
-
+    # Operations.
+    shutdown_grace_s: float = Field(default=60.0, ge=0)
+    """On SIGTERM, how long open streams may run before they are ended with an in-band error.
+    Keep it below the orchestrator's kill deadline less `shutdown_flush_s` and a few seconds."""
+    shutdown_flush_s: float = Field(default=10.0, gt=0)
+    """Then, how long the queued records may take to be stored."""
+    ready_writer_failing_s: float = Field(default=30.0, gt=0)
+    """`/api/ready` fails once records have failed to store for this long."""
+    admin_token: SecretStr | None = None
+    """Opens the admin surface (`/api`, the API docs, the run-id header) to callers that send
+    it as `x-phasewatch-admin-token`. Unset, with `admin_open` false: closed."""
+    admin_open: bool = False
+    """Opens the admin surface to every caller (a trusted network)."""
+    access_log: bool = False
+    """uvicorn's access log, one line per request. It holds each request's path and query
+    string, which clients may treat as private."""
     log_level: LogLevel = "info"
+    """`debug`, `info`, `warning`, `error` or `critical`."""
+    leader_check_interval_s: float = Field(default=5.0, gt=0)
+    """Retention, the engine scrape and the diagnosis schedule run in one process per database:
+    how often the others try to take them over, and the leader checks it still holds them."""
+
+    # The admin API (it shares the relay's event loop).
+    api_max_window_s: float = Field(default=7 * 86400.0, gt=0)
+    """The widest window `/api/stats` answers; a wider one gets `422`."""
+    api_max_rows: int = Field(default=20_000, ge=100)
+    """The most rows `/api/stats` ranks for its percentiles; a window holding more is ranked
+    from a uniform sample of this many (totals stay exact)."""
+    api_timeout_s: float = Field(default=10.0, gt=0)
+    """Any `/api` call still running after this long is stopped, its database query with it,
+    and answered `503` (`query_timeout`)."""
+
+    # Storage.
+    database_url: str = "sqlite+aiosqlite:///phasewatch.db"
+    """Where records and runs are stored: an SQLite file (created on first start, WAL mode) or
+    `postgresql+asyncpg://user@host:5432/db`."""
+    database_auto_upgrade: bool = False
+    """Apply pending migrations at startup instead of refusing to start on an old schema."""
+    record_queue_size: int = Field(default=10_000, ge=1)
+    """Finished-request records waiting to be stored; beyond it they are dropped and
+    counted."""
+    writer_batch_size: int = Field(default=100, ge=1)
+    """Records per insert at most."""
+    writer_flush_interval_s: float = Field(default=1.0, gt=0)
+    """The longest a record waits for its batch: a finished request is in the database within
+    about this long."""
+    retention_days: float = Field(default=14.0, ge=0)
+    """Raw request rows older than this are deleted (per-minute rollups stay). 0: kept
+    forever."""
+    retention_interval_s: float = Field(default=300.0, gt=0)
+    """How often retention runs."""
+
+    # Diagnosis (docs/diagnosis.md).
+    diagnosis_interval_s: float = Field(default=10.0, ge=0)
+    """How often the schedule judges every active model. 0: no schedule (the API still
+    answers)."""
+    diagnosis_window_s: float = Field(default=300.0, gt=0)
+    """The schedule's window."""
+    diagnosis_baseline_s: float = Field(default=3600.0, gt=0)
+    """The baseline before the window (also the API's default)."""
+    diagnosis_recent_s: float = Field(default=60.0, gt=0)
+    """The schedule judges this last part of the window when it holds enough requests, the
+    whole window otherwise."""
+    diagnosis_hold_rounds: int = Field(default=2, ge=1)
+    """Rounds in a row a new verdict needs before the schedule reports it."""
+    diagnosis_switch_confidence: float = Field(default=0.95, gt=0, le=1)
+    """... unless its confidence is at least this (only from `healthy` or `insufficient_data`
+    to an incident)."""
+    diagnosis_min_samples: int = Field(default=20, ge=5)
+    """Timed requests each side needs before anything is judged."""
+    diagnosis_max_samples: int = Field(default=3000, ge=100)
+    """Requests read per span at most; a larger span is evenly thinned (rates use the full
+    count)."""
+    diagnosis_live_max_age_s: float = Field(default=10.0, gt=0)
+    """A process's live snapshot (its requests in flight) counts when taken at most this long
+    before the window's end."""
+    live_snapshot_interval_s: float = Field(default=5.0, ge=0)
+    """How often every process publishes its requests in flight: half the schedule's interval,
+    so each round reads a snapshot at most that old. 0: never."""
+    live_snapshot_max_requests: int = Field(default=1000, ge=1)
+    """Requests per published snapshot at most (the oldest kept)."""
+    engine_metrics_url: AnyHttpUrl | None = None
+    """The engine's Prometheus endpoint, read to corroborate a diagnosis. Unset: the
+    upstream's `/metrics`."""
+    engine_metrics_enabled: bool = True
+    """`false`: the engine is not scraped; the diagnosis works from the records alone."""
+    engine_scrape_interval_s: float = Field(default=15.0, gt=0)
+    """How often the engine is scraped; also right before each scheduled round, so a round
+    reads the engine's queue as it is then."""
+    engine_scrape_timeout_s: float = Field(default=5.0, gt=0)
+    """A scrape of the engine's metrics that takes longer fails (counted, logged once per
+    outage)."""
 
     @field_validator("database_url")
     @classmethod

@@ -1,40 +1,22 @@
 """What is in flight right now: the timeouts, the live gauges, and the snapshot.
 
-Every open exchange is registered here for its life. Once per period (`min(1 s, idle / 4,
-client stall / 4)`), one pass over them:
-- ends each one whose client has not taken what is written to it for the client stall timeout
-  (`client_stalled()`): a client that stops reading would otherwise hold an engine slot until
-  the upstream idle timeout, since back-pressure stops the upstream's reads;
-- ends each one its upstream has left silent past the idle timeout (`idle_timeout()`): one
-  periodic look instead of a timer re-armed on every read (aiohttp's `sock_read` cancels and
-  creates one per chunk, a measurable share of the per-chunk cost); a silent exchange ends
-  between `idle` and `idle + period` after its last read;
-- under several workers, sets the live gauges of each model (`LiveGauges`): streams waiting
-  for their first token, streams decoding, the age of the oldest stream still waiting, and
-  decoding streams silent for longer than the stall threshold. A model whose streams have all
-  ended reads 0. Another worker's scrape reads them from this one's metrics file, so they are
-  kept current. In one process the render of `/metrics` sets them instead, as it starts
-  (`before_render`): exact at the scrape, and no view of every stream and count of every
-  model each second, whoever reads them.
-`snapshot()` gives the open streams as `InFlight` values for the diagnosis.
+Every open exchange is registered here for its life, and one pass over them runs every
+`min(1 s, idle / 4, client stall / 4)`: it ends exchanges whose client has read nothing for the
+client stall timeout or whose upstream has been silent past the idle timeout (one periodic
+look, not a timer re-armed per read), and under several workers sets the live gauges of each
+model (in one process the `/metrics` render sets them, `before_render`). `snapshot()` gives the
+open streams as `InFlight` values for the diagnosis.
 
-Nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`. A stream
-held by the native leg (`hold` to `release`) catches up at the start of a pass (`refresh`,
-native.py): its timing (the replay of what the thread relayed: the ITL observations) once
-`REPLAY_S` have gone by since its last, and on every pass until its first token; its clocks
-when the thread says they may be past a timeout. The thread names those streams in one call
-(`NativeRelay.due`), so a pass costs no Python for a held stream that needs nothing, and the
-timeouts read the clocks of the held streams it named alone: the others' clocks, as Python
-last read them, are stale but within both timeouts. Under several workers, where every pass
-sets the gauges, every held stream's clocks are read on every pass. Before a snapshot and
-before each render of `/metrics`, every held stream is replayed (`refresh(full=True)`).
-A replay costs several times the clocks, and a thousand open streams would otherwise replay
-every second whatever reads them.
-
-The per-stream work of a pass and of a snapshot (a replay, a stream's figures) is done
-`SLICE` streams at a time, yielding to the event loop between slices: with a thousand open
-streams either is 10-25 ms of work, and done at once it would hold every other request's
-first token and every chunk Python relays for that long, once a second.
+Invariants:
+- nothing here runs per chunk: the relay only keeps each exchange's `last_read_ns`;
+- a timeout fires between its limit and its limit plus one period after the last read;
+- a stream the native leg holds is brought up to date (`refresh`, native.py) before a timeout
+  reads its clocks, on every pass until its first token, at least every `REPLAY_S`, and in
+  full before each snapshot and each `/metrics` render; the thread names the streams that need
+  it (`NativeRelay.due`), so a held stream that needs nothing costs a pass no Python;
+- per-stream work (a replay, a stream's figures) runs `SLICE` streams at a time, yielding to
+  the event loop between slices, so a thousand open streams never hold other requests' chunks
+  for the whole pass.
 """
 
 from __future__ import annotations
