@@ -31,8 +31,8 @@ What it reports, per concurrency (medians over repeats; the machine is small and
   when the warm-up ends and when the arrivals end, over the content chunks the clients received
   in between), every stream of the shape open. The figure above spreads the whole run's CPU
   over its chunks, the fill-up and the drain included (at 1,024 streams of 20 s, 40 s of an
-  80 s run at about half the chunk rate; they moved phasewatch's figure by about 3% there,
-  docs/benchmarks.md). The targets are checked on the whole run's figure;
+  80 s run at about half the chunk rate). The targets are checked on the whole run's
+  figure;
 - the upstream's and load generator's CPU, the generator's lateness against its schedule, and
   the CPU that other processes used on the machine during each run, so noise is visible.
 
@@ -559,13 +559,9 @@ def cpu_window(servers: Sequence[Server]) -> Iterator[dict[str, float | None]]:
         out["machine"] = out["irq"] = None
 
 
-# Seconds of arrivals a run has at least, by default. With 10 s, a run at 256 streams
-# measured about 250 requests after its fill-up: TTFT p99 then rested on its two or three
-# slowest, and moved by several ms between repeats for every path. 60 s measures about 2,500
-# per run at 50 requests/s, and is nearer a deployment's steady state both ways: the fill-up's
-# new connections (a client and an upstream connection per stream) come once per 12 requests
-# at 256 streams instead of once per 2, and the diagnosis's window holds a minute of records
-# instead of a few seconds' (docs/benchmarks.md, 2026-12-05).
+# Seconds of arrivals a run has at least, by default: enough requests after the fill-up (about
+# 2,500 at 256 streams) that TTFT p99 does not rest on the two or three slowest, and the
+# diagnosis's window holds a minute of records, as in a deployment's steady state.
 MIN_DURATION_S = 60.0
 
 

@@ -23,8 +23,8 @@ Part `diagnosis` (per backend, per `--diagnosis-rates`):
   (`DiagnosisService.evaluate_all`, as the leading process runs it every
   `PHASEWATCH_DIAGNOSIS_INTERVAL_S`) and prints the median CPU of this process per round (its
   event loop, the driver's thread and the statistics' thread; Postgres's own CPU is not in it),
-  that as a share of a core at the default interval and per request served at that rate (to
-  set beside `cost_split.py`'s cost per request), and the statements that took longest.
+  that as a share of a core at the default interval and per request served at that rate, and
+  the statements that took longest. The pure core's share of it: `diagnosis_round.py`.
 
 Run: `.venv/bin/python benchmarks/store_scale.py [writer] [stats] [diagnosis] [--rows ...]`,
 `--quick` for a smoke run. Needs PostgreSQL on 127.0.0.1:5432 (trust auth) for the Postgres
