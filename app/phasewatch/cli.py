@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from phasewatch import __version__
 from phasewatch.bench.cli import add_parser as add_bench_parser
 from phasewatch.core.settings import SettingsError, load_settings
+from phasewatch.plan.cli import add_parser as add_plan_parser
 from phasewatch.sim.cli import add_parser as add_sim_parser
 from phasewatch.slo.cli import add_parser as add_slo_parser
 
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_parser(commands)
     add_bench_parser(commands)
     add_slo_parser(commands)
+    add_plan_parser(commands)
     _add_stack_parsers(commands)
     return parser
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,12 @@ class StepCost:
     @property
     def bound(self) -> str:
         return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+class StepCoster(Protocol):
+    """What the scheduler asks of a cost model: the cost of one step's work."""
+
+    def step_cost(self, works: Iterable[Work]) -> StepCost: ...
 
 
 class CostModel:

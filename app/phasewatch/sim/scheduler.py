@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from phasewatch.sim.costmodel import CostModel, StepCost, Work
+from phasewatch.sim.costmodel import StepCost, StepCoster, Work
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class _Plan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cost_model: CostModel) -> None:
+    def __init__(self, config: SchedulerConfig, cost_model: StepCoster) -> None:
         self.config = config
         self.cost_model = cost_model
         self.waiting: deque[Sequence] = deque()

@@ -1,0 +1,71 @@
+"""`phasewatch plan` on what a real proxy stored: traffic from closed-loop clients through the
+proxy to the simulator, then the command, as an operator runs it, on that database."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from phasewatch.sim import load_sim_settings, running_sim
+from tests.conftest import Proxy
+from tests.support.served import wait_for
+
+PROMPT_WORDS = (40, 120, 300)
+
+
+def users(base: str, model: str, count: int, each: int) -> int:
+    """`count` users, each sending `each` streamed completions one after another."""
+    def user(number: int) -> int:
+        with httpx.Client(timeout=60) as client:
+            for i in range(each):
+                body = {"model": model, "prompt": "word " * PROMPT_WORDS[(number + i) % 3],
+                        "max_tokens": 24, "stream": True, "ignore_eos": True}
+                with client.stream("POST", base + "/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    response.read()
+        return each
+
+    with ThreadPoolExecutor(count) as pool:
+        return sum(pool.map(user, range(count)))
+
+
+def plan(database_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "phasewatch.cli", "plan", "--database-url", database_url,
+         "--requests", "400", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_plan_answers_from_what_the_proxy_stored(make_proxy: Callable[..., Proxy],
+                                                 sqlite_url: str) -> None:
+    settings = load_sim_settings(port=0, gpu="a100", model="llama-3.1-8b", max_num_seqs=16)
+    with running_sim(settings) as sim:
+        proxy = make_proxy(sim.url, diagnosis_interval_s=0, engine_metrics_enabled=False)
+        model = httpx.get(proxy.url + "/v1/models").json()["data"][0]["id"]
+        before = plan(sqlite_url, "--concurrency", "4")
+        sent = users(proxy.url, model, 2, 20) + users(proxy.url, model, 6, 10)
+        wait_for(lambda: proxy.sample("phasewatch_records_written_total") >= sent,
+                 says="every record stored")
+        proxy.server.stop()
+    # Nothing stored yet: refused, with the reason.
+    assert before.returncode == 2 and "calibration needs at least 30" in before.stderr
+
+    answered = plan(sqlite_url, "--concurrency", "12", "--max-num-seqs", "16", "--json")
+    assert answered.returncode == 0, answered.stderr
+    result = json.loads(answered.stdout)
+    assert result["model"] == model and result["calibration"]["observed"]["requests"] == sent
+    predicted = result["predicted"]
+    assert 0 < predicted["ttft_p50_s"] <= predicted["ttft_p95_s"]
+    assert 0 < predicted["itl_p50_s"] <= predicted["itl_p95_s"]
+    assert 0.0 <= result["slo"]["ttft_share"] <= 1.0 and 0.0 <= result["slo"]["itl_share"] <= 1.0
+    assert result["replicas_needed"] is None or result["replicas_needed"] >= 1
+    assert result["limits"]["assumed"] == [] and result["cannot_see"]
+
+    text = plan(sqlite_url, "--rate", "5", "--prompt-tokens", "4000")
+    assert text.returncode == 0, text.stderr
+    assert "phasewatch plan:" in text.stdout and "extrapolated: prompts of 4000-4000" in text.stdout
+    assert "assumed: max_num_seqs 256" in text.stdout
