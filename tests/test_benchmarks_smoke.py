@@ -77,3 +77,11 @@ def test_diagnosis_round_quick(tmp_path: Path) -> None:
     result = run("diagnosis_round.py", tmp_path)
     side = result["this checkout"]
     assert isinstance(side, dict) and side["rounds"] == 5 and side["median_ms"] > 0
+
+
+def test_plan_accuracy_quick(tmp_path: Path) -> None:
+    result = run("plan_accuracy.py", tmp_path)
+    rows = result["rows"]
+    assert isinstance(rows, list) and len(rows) == 4  # one preset, four loads
+    assert all(row["measured_ms"]["itl_p50"] > 0 and row["predicted_ms"]["itl_p50"] > 0
+               for row in rows)
