@@ -55,6 +55,7 @@ from phasewatch.diagnosis.service import DiagnosisService
 from phasewatch.engine.metrics import EngineScrapeMetrics
 from phasewatch.engine.scraper import EngineScraper
 from phasewatch.otel import check_otel
+from phasewatch.plan.capacity import CapacityMetrics, CapacityService
 from phasewatch.proxy.arrival import KernelArrivals
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
 from phasewatch.proxy.client_leg import (
@@ -238,6 +239,11 @@ def create_app(
             fresh_engine=None if scraper is None else scraper.fresh)
         if settings.diagnosis_interval_s > 0:
             duties["diagnosis"] = app.state.diagnosis.run
+        if settings.capacity_interval_s > 0:
+            # The SLO headroom per model, for autoscalers (docs/plan.md).
+            duties["capacity"] = CapacityService(
+                app.state.sessionmaker, settings,
+                CapacityMetrics(registry, multiprocess=exposition.multiprocess)).run
         app.state.leadership = Leadership(
             leader_lock(settings.database_url), duties, settings.leader_check_interval_s,
             LeadershipMetrics(registry))

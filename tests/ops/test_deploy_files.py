@@ -286,3 +286,27 @@ def test_prometheus_rule_holds_the_rendered_groups() -> None:
 
 def test_alerts_point_at_a_route_phasewatch_serves() -> None:
     assert urlsplit(load_spec(SLO_FILE).diagnosis_url).path in api_paths()
+
+
+def test_the_autoscaler_example_queries_what_phasewatch_exports() -> None:
+    """deploy/k8s/keda-headroom.yaml scales the engine on metric names phasewatch registers
+    (the requests counter, and the capacity duty's highest rate within the SLOs)."""
+    from prometheus_client import CollectorRegistry
+
+    from phasewatch.core.metrics import ProxyMetrics
+    from phasewatch.plan.capacity import CapacityMetrics
+
+    scaled = yaml.safe_load((K8S / "keda-headroom.yaml").read_text())
+    assert scaled["kind"] == "ScaledObject" and scaled["spec"]["scaleTargetRef"]["name"] == "vllm"
+    (trigger,) = scaled["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    registry = CollectorRegistry()
+    ProxyMetrics(registry, 0.5, 0.04)
+    CapacityMetrics(registry)
+    exported = {sample for family in registry.collect() for sample in
+                [family.name + "_total" if family.type == "counter" else family.name]}
+    used = set(re.findall(r"(phasewatch_[a-z_]+)\{", query))
+    assert used == {"phasewatch_requests_total", "phasewatch_slo_max_rate_rps"}
+    assert used <= exported
+    assert trigger["metricType"] == "AverageValue"
+    assert 0 < float(trigger["metadata"]["threshold"]) <= 1

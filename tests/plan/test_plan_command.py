@@ -69,3 +69,29 @@ def test_plan_answers_from_what_the_proxy_stored(make_proxy: Callable[..., Proxy
     assert text.returncode == 0, text.stderr
     assert "phasewatch plan:" in text.stdout and "extrapolated: prompts of 4000-4000" in text.stdout
     assert "assumed: max_num_seqs 256" in text.stdout
+
+
+def test_the_leader_exports_the_slo_headroom(make_proxy: Callable[..., Proxy]) -> None:
+    """With `capacity_interval_s` set, the leading process calibrates on what it stored (in a
+    worker process) and exports the highest rate within both SLOs and its ratio to the rate it
+    serves."""
+    settings = load_sim_settings(port=0, gpu="a100", model="llama-3.1-8b", max_num_seqs=16)
+    with running_sim(settings) as sim:
+        proxy = make_proxy(sim.url, diagnosis_interval_s=0, engine_metrics_enabled=False,
+                           capacity_interval_s=1.0, capacity_max_num_seqs=16)
+        model = httpx.get(proxy.url + "/v1/models").json()["data"][0]["id"]
+        sent = users(proxy.url, model, 2, 20) + users(proxy.url, model, 6, 10)
+        wait_for(lambda: proxy.sample("phasewatch_records_written_total") >= sent,
+                 says="every record stored")
+        labels = {"model": model}
+        rate = sent / 300.0  # the rate it serves: the requests of the last diagnosis window
+
+        def consistent() -> tuple[float, float] | None:
+            """A round after the traffic: its headroom is its highest rate over that rate."""
+            top = proxy.sample("phasewatch_slo_max_rate_rps", labels)
+            headroom = proxy.sample("phasewatch_slo_headroom", labels)
+            return (top, headroom) if top and abs(headroom * rate / top - 1) < 0.01 else None
+
+        top, headroom = wait_for(consistent, timeout=120, says="a headroom after the traffic")
+        proxy.server.stop()
+    assert top > rate and headroom > 1.0

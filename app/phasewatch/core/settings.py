@@ -190,6 +190,27 @@ class Settings(BaseSettings):
     """A scrape of the engine's metrics that takes longer fails (counted, logged once per
     outage)."""
 
+    # Capacity (docs/plan.md).
+    capacity_interval_s: float = Field(default=0.0, ge=0)
+    """How often the leader recalibrates each active model and exports its SLO headroom
+    (`phasewatch_slo_headroom`, docs/plan.md), in a worker process of its own: tens of seconds
+    of one core per model and round. 0 (the default): never; 300 is a reasonable value."""
+    capacity_window_s: float = Field(default=3600.0, gt=0)
+    """The span of stored requests the headroom is calibrated on."""
+    capacity_max_requests: int = Field(default=3000, ge=100)
+    """Requests of that span read at most (the latest)."""
+    capacity_engine_replicas: int = Field(default=1, ge=1)
+    """Engine replicas behind the upstream URL, sharing the model's traffic: the headroom is
+    their highest rate together (each replica's, times this) over the model's rate."""
+    capacity_max_num_seqs: int = Field(default=256, ge=1)
+    """The engine's cap on running sequences, for the headroom's what-if (vLLM's
+    `--max-num-seqs`)."""
+    capacity_max_num_batched_tokens: int = Field(default=8192, ge=1)
+    """The engine's token budget per step, for the headroom's what-if."""
+    capacity_objective: float = Field(default=0.95, gt=0, le=1)
+    """The share of requests (TTFT) and of token gaps (ITL) within their thresholds that meets
+    an SLO, for the headroom."""
+
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, value: str) -> str:

@@ -26,6 +26,7 @@ SECTIONS = (
     ("The admin API", "api_max_window_s"),
     ("Storage", "database_url"),
     ("Diagnosis", "diagnosis_interval_s"),
+    ("Capacity", "capacity_interval_s"),
 )
 
 HEAD = """\

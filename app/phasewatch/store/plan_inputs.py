@@ -36,3 +36,14 @@ async def timed_requests(
         query = query.where(RequestRow.run_id == run_id)
     rows = (await session.execute(query.order_by(RequestRow.started_at.desc()).limit(limit))).all()
     return [tuple(row) for row in reversed(rows)]
+
+
+async def request_count(session: AsyncSession, *, model: str, since: datetime,
+                        until: datetime) -> int:
+    """Requests of `model` that arrived in [since, until), whatever their outcome: the load
+    offered."""
+    from sqlalchemy import func
+
+    count = await session.scalar(select(func.count()).select_from(RequestRow).where(
+        RequestRow.model == model, RequestRow.started_at >= since, RequestRow.started_at < until))
+    return int(count or 0)

@@ -1,0 +1,133 @@
+"""The live SLO-headroom signal: every `capacity_interval_s`, for each active model, the
+highest request rate its calibrated deployment serves within both SLOs, against the rate it
+is serving now.
+
+`phasewatch_slo_max_rate_rps{model}` is that highest rate for one engine replica;
+`phasewatch_slo_headroom{model}` is it times `capacity_engine_replicas`, divided by the model's
+rate over the last `diagnosis_window_s` (below 1: today's traffic breaks an SLO). An
+autoscaler of the engine scales on the rate over the per-replica maximum
+(deploy/k8s/keda-headroom.yaml).
+
+Invariants: it runs in the leading process only (a duty, store/leader.py); the calibration and
+the search run in one worker process of their own (`headroom.compute`, spawned), never on the
+relay's event loop or under its GIL; a model that cannot be calibrated, or that served nothing
+in the rate's window, has no series; any fault is logged and counted and the next round goes
+on. Under several workers the gauges are `liveall`: read them as `max by (model)`; a process
+that stops leading sets its series to NaN, which that ignores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from datetime import UTC, datetime, timedelta
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from phasewatch.core.settings import Settings
+from phasewatch.plan.headroom import compute
+from phasewatch.store.diagnoses import active_models
+from phasewatch.store.plan_inputs import request_count, timed_requests
+
+log = logging.getLogger(__name__)
+
+
+class CapacityMetrics:
+    def __init__(self, registry: CollectorRegistry, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess
+        self.max_rate = Gauge(
+            "phasewatch_slo_max_rate_rps",
+            "The highest request rate one engine replica serves within both SLOs, as "
+            "calibrated on its traffic.",
+            ("model",), registry=registry, multiprocess_mode="liveall")
+        self.headroom = Gauge(
+            "phasewatch_slo_headroom",
+            "The engine replicas' highest rate within both SLOs over the current request rate "
+            "(below 1: an SLO breaks at today's traffic).", ("model",), registry=registry,
+            multiprocess_mode="liveall")
+        self.failures = Counter(
+            "phasewatch_slo_headroom_failures",
+            "Headroom evaluations that failed (database, calibration worker).",
+            registry=registry)
+        self._models: set[str] = set()
+
+    @property
+    def models(self) -> frozenset[str]:
+        """The models with series set."""
+        return frozenset(self._models)
+
+    def set(self, model: str, max_rate: float, headroom: float) -> None:
+        self.max_rate.labels(model).set(max_rate)
+        self.headroom.labels(model).set(headroom)
+        self._models.add(model)
+
+    def remove(self, model: str) -> None:
+        if model not in self._models:
+            return
+        self._models.discard(model)
+        if self.multiprocess:
+            self.max_rate.labels(model).set(math.nan)
+            self.headroom.labels(model).set(math.nan)
+        else:
+            self.max_rate.remove(model)
+            self.headroom.remove(model)
+
+    def withdraw(self) -> None:
+        for model in list(self._models):
+            self.remove(model)
+
+
+class CapacityService:
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
+                 metrics: CapacityMetrics) -> None:
+        self.sessionmaker = sessionmaker
+        self.settings = settings
+        self.metrics = metrics
+
+    async def run(self) -> None:
+        """The duty: a round every `capacity_interval_s` until cancelled; the worker process
+        lives as long as the duty runs."""
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            while True:
+                await asyncio.sleep(self.settings.capacity_interval_s)  # data first
+                try:
+                    await self.evaluate_all(pool)
+                except Exception as exc:
+                    log.warning("headroom round failed (%s: %s)", type(exc).__name__,
+                                str(exc)[:200])
+                    self.metrics.failures.inc()
+        finally:
+            self.metrics.withdraw()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def evaluate_all(self, pool: ProcessPoolExecutor) -> dict[str, float]:
+        """One round; returns model -> headroom for the models that have one."""
+        s = self.settings
+        now = datetime.now(UTC)
+        since = now - timedelta(seconds=s.capacity_window_s)
+        recent = now - timedelta(seconds=s.diagnosis_window_s)
+        async with self.sessionmaker() as session:
+            models = await active_models(session, since, now, s.max_model_labels)
+        out: dict[str, float] = {}
+        for model in models:
+            async with self.sessionmaker() as session:
+                rows = await timed_requests(session, model=model, since=since,
+                                            limit=s.capacity_max_requests)
+                offered = await request_count(session, model=model, since=recent, until=now)
+            top = await asyncio.get_running_loop().run_in_executor(
+                pool, compute, rows, s.capacity_max_num_seqs, s.capacity_max_num_batched_tokens,
+                s.slo_ttft_s, s.slo_itl_s, s.capacity_objective)
+            rate = offered / s.diagnosis_window_s
+            if top is None or rate <= 0:
+                self.metrics.remove(model)
+                continue
+            out[model] = top * s.capacity_engine_replicas / rate
+            self.metrics.set(model, top, out[model])
+        for model in self.metrics.models - set(out):
+            self.metrics.remove(model)
+        return out
