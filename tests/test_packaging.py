@@ -110,6 +110,9 @@ def test_the_artefacts_hold_the_package_and_pass_twine(dist: Path) -> None:
                        for name in sources), source
     top = {name.split("/", 1)[0] for name in names}
     assert top == {"phasewatch", f"phasewatch-{__version__}.dist-info"}  # no `app` package
+    packages = {str(init.parent.relative_to(ROOT / "app")) for init in
+                (ROOT / "app" / "phasewatch").rglob("__init__.py")}
+    assert {f"{package}/__init__.py" for package in packages} <= set(names)
     for needed in ("phasewatch/migrations/env.py", "phasewatch/migrations/script.py.mako",
                    "phasewatch/migrations/versions/0001_initial_schema.py",
                    "phasewatch/slo/default_slo.yaml", "phasewatch/py.typed",
