@@ -142,12 +142,15 @@ def test_the_native_relay_carried_the_streams(observed: list[Observed],
                                               vllm_proxy_module: Proxy,
                                               vllm_server: VLLMServer) -> None:
     """vLLM's head, role chunk and running token chunks pass the native relay's tests
-    (app/phasewatch/proxy/_native.c): each stream above, and each of the warm-up round, was handed
-    to it as its request went out and never came back before its end (one handoff each), so the
-    figures checked here are the native leg's, TTFT included."""
+    (app/phasewatch/proxy/csrc/): the streams above, and those of the warm-up round, were handed
+    to it as their requests went out, at most once each, so the figures checked here are the
+    native leg's, TTFT included. A stream is handed over only while its client's socket has
+    nothing waiting to be written (`ClientLeg.can_lend`); on a loaded machine one whose whole
+    body comes while a write waits stays in Python, with the same bytes and figures
+    (tests/proxy/test_native_differential.py), so one such stream in ten is allowed."""
     handed = vllm_proxy_module.sample("phasewatch_native_relay_streams_total")
     streams = len(observed) + len(kinds(vllm_server.model))
-    assert handed == streams, (handed, streams)
+    assert 0.9 * streams <= handed <= streams, (handed, streams)
 
 
 def test_counts_are_exact(observed: list[Observed]) -> None:
