@@ -474,15 +474,17 @@ def test_a_body_the_proxy_cannot_plan_goes_upstream_as_it_came_and_is_answered(
     assert [b for b in raw_upstream.bodies if b] == [body] * 4  # (GETs of /metrics: no body)
 
 
-def test_a_failed_relay_thread_hands_every_stream_back_and_python_relays_on(
+def test_a_failed_relay_thread_ends_its_streams_in_band_and_relays_in_python_after(
         make_proxy: Callable[..., Proxy], raw_upstream: RawUpstream) -> None:
     """The thread's loop failing (its epoll_wait, made to fail here: `fault()`) strands
-    nothing: every stream it held comes back and goes on in Python to its end, the failure is
-    logged and counted, and later streams stay in Python."""
+    nothing: every stream it held gets what was read for it, then an in-band error and [DONE],
+    and is recorded `internal_error`; the failure is logged, counted and shown by
+    /api/health, and later streams are relayed in Python to their end."""
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 20), 0.5,
                            *_tokens(21, 40), *_ending(40)]
     proxy = make_proxy(raw_upstream.url, native_relay=True)
     expected = _stream(make_proxy(raw_upstream.url, native_relay=False).url, ASK)
+    assert httpx.get(proxy.url + "/api/health").json()["native_relay"] == "running"
     with _sent(proxy) as sock:
         got = b""
         while b'"content":"t20"' not in got:  # the thread holds it, in the pause
@@ -492,15 +494,26 @@ def test_a_failed_relay_thread_hands_every_stream_back_and_python_relays_on(
         native._relay.fault()
         while not got.endswith(b"0\r\n\r\n"):
             data = sock.recv(65536)
-            assert data, "the stream was cut"
+            assert data, "the stream was cut without its end"
             got += data
-    assert _unchunked(got.partition(b"\r\n\r\n")[2]) == expected
+    body = _unchunked(got.partition(b"\r\n\r\n")[2])
+    events = body.split(b"\n\n")
+    assert body.startswith(expected[:expected.index(b'"content":"t21"')].rpartition(
+        b"\n\n")[0])  # every event up to the fault, as the client would have had them
+    assert b'"content":"t21"' not in body
+    error = orjson.loads(events[-3].removeprefix(b"data: "))["error"]
+    assert (error["type"], error["code"]) == ("server_error", 500)
+    assert "native relay failed" in error["message"]
+    assert events[-2:] == [b"data: [DONE]", b""]
     record = proxy.next_record()
-    assert (record.outcome, record.output_tokens) == ("ok", 40)
+    assert (record.outcome, record.output_tokens) == ("internal_error", 20)
+    assert record.error is not None and "native relay failed" in record.error
     assert proxy.sample("phasewatch_native_relay_failures_total") == 1
+    assert httpx.get(proxy.url + "/api/health").json()["native_relay"] == "failed"
     handed = _native_streams(proxy)
-    assert _stream(proxy.url, ASK) == expected  # and the next stays in Python
+    assert _stream(proxy.url, ASK) == expected  # and the next is relayed whole, in Python
     assert _native_streams(proxy) == handed
+    assert proxy.next_record().outcome == "ok"
 
 
 async def _native_of_app(app: Any) -> Any:

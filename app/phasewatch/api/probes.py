@@ -30,6 +30,11 @@ class Health(BaseModel):
         description="`leader`: this process runs retention, the diagnosis schedule and the "
                     "engine scrape for its database; `follower`: another does; `stopped`: "
                     "shutting down.")
+    native_relay: Literal["running", "failed", "off"] = Field(
+        description="The native relay's thread: `running`; `failed` (the streams it held ended "
+                    "with an in-band error, every stream is relayed in Python since, and "
+                    "`phasewatch_native_relay_failures_total` counted it); `off` (turned off, "
+                    "not Linux, or another server).")
 
 
 class Ready(BaseModel):
@@ -40,8 +45,11 @@ class Ready(BaseModel):
 def health(request: Request) -> Health:
     """phasewatch's own liveness; `/health` is the upstream's, relayed."""
     state = request.app.state
+    native = state.proxy.native
     return Health(status="ok", version=__version__, upstream=state.settings.upstream_base,
-                  pid=os.getpid(), role=state.leadership.role.value)
+                  pid=os.getpid(), role=state.leadership.role.value,
+                  native_relay="off" if native is None else "failed" if native.failed
+                  else "running")
 
 
 @router.get("/api/ready", response_model=Ready, operation_id="getReadiness", responses={

@@ -28,6 +28,7 @@ class Outcome(StrEnum):
     CANCELLED = "cancelled"  # the client went away first; the upstream request was closed
     REJECTED = "rejected"  # phasewatch refused it (body over the limit); never sent upstream
     SHUTDOWN = "shutdown"  # phasewatch shut down before it ended (its grace ran out)
+    INTERNAL_ERROR = "internal_error"  # phasewatch's own relay failed mid-stream (native.py)
 
 
 @dataclass(slots=True)

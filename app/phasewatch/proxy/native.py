@@ -21,8 +21,11 @@ Invariants:
   of a client's bytes, each pass of the live registry: `take_ended`), or the thread wakes it
   20 ms later at most; at once when a request waits behind it on its client's connection.
 - The thread's streams hold no Python object; their owners (the exchanges) are kept here.
-- If the thread fails, every stream it held comes back (`Ending.FAULT`) and goes on in Python,
-  the failure is logged and counted, and no stream goes to it again.
+- If the thread fails, every stream it held comes back (`Ending.FAULT`): what it had read goes
+  out, then an in-band error and `[DONE]` end the stream (recorded `internal_error`), since the
+  state it left the stream in is not vouched for. The failure is logged, counted
+  (`phasewatch_native_relay_failures_total`) and shown by `/api/health`, and no stream goes to
+  the thread again.
 
 Used under phasewatch's own server, on plain TCP on both sides (TLS stays in Python), on Linux;
 `PHASEWATCH_NATIVE_RELAY=false` turns it off.
@@ -56,7 +59,7 @@ class Ending(IntEnum):
     UPSTREAM_ERROR = 4  # reading the upstream failed (`errno`)
     CLIENT_ERROR = 5  # the client hung up, or writing to it failed: it is gone
     ENDED = 6  # the body ended cleanly after [DONE], and the response's end was written
-    FAULT = 7  # the thread could not go on with it (`errno`): Python goes on
+    FAULT = 7  # the thread failed (`errno`): Python ends the stream with an in-band error
 
 
 class Owner(Protocol):
@@ -77,6 +80,7 @@ class NativeRelay:
         self._relay = _native.Relay() if QUIET_MS is None else _native.Relay(quiet_ms=QUIET_MS)
         self._owners: dict[Stream, Owner] = {}
         self._open = True
+        self._failed = False
         self._on_failure = on_failure  # called once if the thread fails
         # Faults that would recur per stream: each kind logged once a minute.
         self._start_faults, self._hand_back_faults = LogThrottle(), LogThrottle()
@@ -118,15 +122,22 @@ class NativeRelay:
         owners = self._owners
         return [owners[s] for s in streams if s in owners]
 
+    @property
+    def failed(self) -> bool:
+        """Whether the thread failed: every stream is relayed in Python since."""
+        return self._failed
+
     def _returned(self) -> None:
-        self._hand_back(self._relay.finished())
-        failed = self._relay.failed
-        if failed and self._open:
-            self._open = False
-            log.error("the native relay's thread failed (errno %d): every stream it held went "
-                      "on in Python, and every stream stays there from now on", failed)
+        streams = self._relay.finished()
+        # (read after `finished`: the thread sets it before it hands its streams back)
+        if self._relay.failed and not self._failed:
+            self._failed, self._open = True, False  # before the hand-back: none goes back to it
+            log.error("the native relay's thread failed (errno %d): every stream it held ended "
+                      "with an in-band error, and every stream is relayed in Python from now "
+                      "on", self._relay.failed)
             if self._on_failure is not None:
                 self._on_failure()
+        self._hand_back(streams)
 
     def take_ended(self) -> None:
         """Take back the streams that ended with their response's end written: the thread

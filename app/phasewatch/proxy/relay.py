@@ -93,7 +93,8 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 _LAST_CHUNK = b"0\r\n\r\n"  # a chunked body's end, as the native leg read it (`Ending.ENDED`)
 # Streams cut before [DONE]: the in-band error's type and code.
 _CUT = {Outcome.TIMEOUT: ("upstream_error", 502), Outcome.STREAM_ERROR: ("upstream_error", 502),
-        Outcome.SHUTDOWN: ("service_unavailable", 503)}
+        Outcome.SHUTDOWN: ("service_unavailable", 503),
+        Outcome.INTERNAL_ERROR: ("server_error", 500)}
 # Output waiting for a blocked ASGI send (other servers only) past which the upstream is paused.
 _PENDING_LIMIT = 1 << 16
 # The request headers the relay reads.
@@ -490,6 +491,14 @@ class Exchange:
                 conn.take(leftover, stream.leftover_ns)
             if ending == Ending.UPSTREAM_ERROR:  # what it read before the fault went out first
                 conn.broke(OSError(stream.errno, os.strerror(stream.errno)))
+            elif ending == Ending.FAULT and (feed is None or not feed.done):
+                # The thread failed: what it read went out above, and the stream ends there with
+                # an in-band error (`_stream_tail`). Where the thread left the upstream
+                # connection is not vouched for, so it is closed, not reused.
+                self._record.outcome = Outcome.INTERNAL_ERROR
+                self._record.error = (f"phasewatch's native relay failed "
+                                      f"({os.strerror(stream.errno)})")
+                conn.broke(OSError(stream.errno, os.strerror(stream.errno)))
         self._wake_up()
 
     # -- the coroutine ----------------------------------------------------------------------
@@ -699,7 +708,7 @@ class Exchange:
             if self.phase is Phase.IDLE_TIMEOUT:
                 record.outcome = Outcome.TIMEOUT
                 record.error = "upstream went silent past the idle timeout"
-            elif self.phase is Phase.BROKEN:
+            elif self.phase is Phase.BROKEN and record.outcome is not Outcome.INTERNAL_ERROR:
                 record.outcome = Outcome.STREAM_ERROR
                 record.error = f"upstream stream broke: {self._lost}"
             elif self.phase is Phase.SHUT_DOWN:

@@ -293,8 +293,8 @@ static void hand_back_asked(pw_relay *r, int all, int ending, int err) {
     }
 }
 
-/* The loop cannot go on: every held stream goes back to Python, which relays it from where it
- * stands, and is told why (`pw_relay_failed`); the thread ends. */
+/* The loop cannot go on: every held stream goes back to Python, which sends what was read for
+ * it and ends it with an in-band error, and is told why (`pw_relay_failed`); the thread ends. */
 static void fail(pw_relay *r, int err) {
     pthread_mutex_lock(&r->lock);
     r->failed = err;

@@ -37,7 +37,7 @@ enum {
     PW_END_UPSTREAM_ERROR = 4,/* reading the upstream failed (`err`) */
     PW_END_CLIENT_ERROR = 5,  /* the client hung up, or writing to it failed */
     PW_END_BODY = 6,          /* the body ended cleanly after [DONE]; the response's end written */
-    PW_END_FAULT = 7,         /* the thread could not go on with it (`err`): Python goes on */
+    PW_END_FAULT = 7,         /* the thread failed (`err`): Python ends it with an in-band error */
 };
 
 typedef struct pw_relay pw_relay;
