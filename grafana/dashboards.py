@@ -293,6 +293,24 @@ def build(spec: SloSpec) -> dashboard.Dashboard:
                width=8, height=7)
     )
 
+    board = board.with_row(dashboard.Row("Capacity: how much more traffic before an SLO breaks?"))
+    board = board.with_panel(threshold_lines(series(
+        "SLO headroom",
+        "phasewatch_slo_headroom per model: the highest request rate the engine replicas serve "
+        "within both SLOs (calibrated on their own traffic, docs/plan.md) over the rate they "
+        "serve now. Below the dashed line at 1, today's traffic breaks an SLO. Empty unless "
+        "PHASEWATCH_CAPACITY_INTERVAL_S is set.", "short",
+        [(f"max by (model) (phasewatch_slo_headroom{{{PROXY}}})", "{{model}}")],
+        width=12, height=7), [(1.0, "red")]))
+    board = board.with_panel(series(
+        "Highest rate within both SLOs, per replica | served rate",
+        "phasewatch_slo_max_rate_rps (one engine replica, as calibrated) beside the request "
+        "rate served now: the gap between them is the headroom.", "reqps",
+        [(f"max by (model) (phasewatch_slo_max_rate_rps{{{PROXY}}})", "per replica {{model}}"),
+         (f"sum by (model) (rate(phasewatch_requests_total{{{PROXY}}}[{RATE}]))",
+          "served {{model}}")],
+        width=12, height=7))
+
     board = board.with_row(dashboard.Row("Latency: TTFT (queueing + prefill) | ITL (decode)"))
     board = board.with_panel(latency_heatmap("ttft")).with_panel(latency_heatmap("itl"))
     board = board.with_panel(quantiles(spec, "ttft")).with_panel(quantiles(spec, "itl"))

@@ -36,6 +36,8 @@ DASHBOARD = ROOT / "grafana" / "dashboards" / "phasewatch.json"
 # Exported by the diagnosis (app/phasewatch/diagnosis) on the proxy's /metrics; their panels are
 # checked like every other.
 DIAGNOSIS_METRICS = ("phasewatch_diagnosis_verdict", "phasewatch_diagnosis_confidence")
+# Exported by the leader's capacity duty (app/phasewatch/plan/capacity.py), switched on here.
+CAPACITY_METRICS = ("phasewatch_slo_headroom", "phasewatch_slo_max_rate_rps")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +107,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> 
             pass
 
 
-async def drive_traffic(proxy: str, model: str, seconds: float) -> int:
-    """Four streams at a time, completions and chat, short and long prompts, for `seconds`."""
+async def drive_traffic(proxy: str, model: str, seconds: float, users: int) -> int:
+    """`users` streams at a time, completions and chat, short and long prompts, for
+    `seconds`."""
     done = 0
     deadline = time.monotonic() + seconds
 
@@ -124,7 +127,7 @@ async def drive_traffic(proxy: str, model: str, seconds: float) -> int:
                         "max_tokens": 24, "stream": True})
                 done += 1
 
-    await asyncio.gather(*(worker(i) for i in range(4)))
+    await asyncio.gather(*(worker(i) for i in range(users)))
     return done
 
 
@@ -138,7 +141,9 @@ def stack(prometheus_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     proxy_env = {"PHASEWATCH_LOG_LEVEL": "warning", "PHASEWATCH_ADMIN_OPEN": "true",
                  "PHASEWATCH_DATABASE_URL": f"sqlite+aiosqlite:///{tmp / 'pw.db'}",
                  # Judge every second, so the verdict is exported within the test's traffic.
-                 "PHASEWATCH_DIAGNOSIS_INTERVAL_S": "1"}
+                 "PHASEWATCH_DIAGNOSIS_INTERVAL_S": "1",
+                 # And calibrate the SLO headroom every second, on two concurrency levels.
+                 "PHASEWATCH_CAPACITY_INTERVAL_S": "1"}
     config = tmp / "prometheus.yml"
     config.write_text(yaml.safe_dump(_prometheus_config(proxy_port, sim_port, prometheus_port)))
     prometheus_url = f"http://127.0.0.1:{prometheus_port}"
@@ -156,8 +161,9 @@ def stack(prometheus_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
             wait_http(prometheus_url + "/-/ready", timeout=30, proc=prometheus)
             proxy = f"http://127.0.0.1:{proxy_port}"
             model = httpx.get(proxy + "/v1/models").json()["data"][0]["id"]
-            requests = asyncio.run(drive_traffic(proxy, model, seconds=6.0))
-            assert requests >= 8, f"only {requests} requests went through"
+            requests = asyncio.run(drive_traffic(proxy, model, seconds=4.0, users=2))
+            requests += asyncio.run(drive_traffic(proxy, model, seconds=4.0, users=6))
+            assert requests >= 30, f"only {requests} requests went through"
             time.sleep(3.0)  # a few more scrapes and rule evaluations after the traffic
             yield Stack(prometheus_url, proxy, model)
         finally:
@@ -214,6 +220,7 @@ def test_panel_queries_return_data(stack: Stack) -> None:
     queries = panel_queries()
     assert len(queries) >= 40
     assert len([q for q in queries if is_diagnosis(q)]) == 2
+    assert len([q for q in queries if any(m in q.expr for m in CAPACITY_METRICS)]) == 2
     missing = unanswered(stack, queries)
     print(f"{len(queries)} panel queries x 2 $model fillings: {2 * len(queries) - len(missing)} "
           "returned data")
