@@ -11,11 +11,14 @@ through the simulator's engine. It prints the relative error of every prediction
 (predicted / measured - 1) and whether it is within `--tolerance`.
 
 No server runs: the simulator's engine is replayed without a clock (phasewatch.plan.whatif
-`replay`), which is what its server runs in real time. The real-vLLM form of this question is
-not here yet.
+`replay`), which is what its server runs in real time.
+
+`--vllm`: the same question on the real vLLM of tests/vllm, through the proxy and
+`phasewatch plan` as an operator runs them: calibrate at 2 users, predict 8 and 16, then run
+them (benchmarks/plan_accuracy_vllm.py; about 7 minutes; tolerance 25%).
 
 Run: `.venv/bin/python benchmarks/plan_accuracy.py [--users 8] [--tolerance 0.15] [--json
-out.json]`; `--quick`: one preset.
+out.json]`; `--quick`: one preset; `--vllm`: the real vLLM.
 """
 
 from __future__ import annotations
@@ -96,26 +99,42 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--users", type=int, default=8, help="the calibration's closed-loop users")
     p.add_argument("--requests", type=int, default=600, help="requests per replay")
-    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="default 0.15 on the simulator, 0.25 on vLLM")
+    p.add_argument("--vllm", action="store_true",
+                   help="the real vLLM of tests/vllm: calibrate at 2 users, predict 8 and 16")
+    p.add_argument("--seconds", type=float, default=90.0,
+                   help="--vllm: seconds per predicted load (calibration: twice that)")
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="one preset, fewer requests")
     args = p.parse_args()
+    if args.tolerance is None:
+        args.tolerance = 0.25 if args.vllm else 0.15
     presets = PRESETS[2:3] if args.quick else PRESETS
     requests = 300 if args.quick else args.requests
     started = time.monotonic()
     rows: list[dict[str, Any]] = []
-    print(f"{'gpu':5s} {'model':13s} {'case':31s} " + " ".join(f"{f:>9s}" for f in FIGURES))
-    for gpu, model in presets:
-        found = preset(gpu, model, args.users, requests)
+    found_by_preset: list[tuple[str, str, list[dict[str, Any]] | None]]
+    if args.vllm:
+        repo = str(Path(__file__).resolve().parents[1])
+        if repo not in sys.path:  # run as a script: `benchmarks` is a package of the checkout
+            sys.path.insert(0, repo)
+        from benchmarks.plan_accuracy_vllm import MODEL, accuracy
+        found_by_preset = [("vllm-cpu", MODEL, accuracy(seconds=args.seconds))]
+    else:
+        found_by_preset = [(gpu, model, preset(gpu, model, args.users, requests))
+                           for gpu, model in presets]
+    print(f"{'gpu':8s} {'model':13s} {'case':31s} " + " ".join(f"{f:>9s}" for f in FIGURES))
+    for gpu, model, found in found_by_preset:
         if found is None:
-            print(f"{gpu:5s} {model:13s} (the model does not fit this GPU)")
+            print(f"{gpu:8s} {model:13s} (the model does not fit this GPU)")
             continue
         for row in found:
             rows.append(row)
             cells = " ".join(
                 f"{row['error'][f]:+8.0%}{' ' if abs(row['error'][f]) <= args.tolerance else '!'}"
                 for f in FIGURES)
-            print(f"{gpu:5s} {model:13s} {row['case']:31s} {cells}")
+            print(f"{gpu:8s} {model:13s} {row['case']:31s} {cells}")
     within = sum(abs(row["error"][f]) <= args.tolerance for row in rows for f in FIGURES)
     total = len(rows) * len(FIGURES)
     print(f"within {args.tolerance:.0%}: {within} of {total} ('!' marks the others); "

@@ -85,3 +85,11 @@ def test_plan_accuracy_quick(tmp_path: Path) -> None:
     assert isinstance(rows, list) and len(rows) == 4  # one preset, four loads
     assert all(row["measured_ms"]["itl_p50"] > 0 and row["predicted_ms"]["itl_p50"] > 0
                for row in rows)
+
+
+def test_headroom_ramp_quick(tmp_path: Path) -> None:
+    result = run("headroom_ramp.py", tmp_path)
+    headroom = result["headroom"]
+    assert isinstance(headroom, list) and headroom  # the proxy exported it, and it was read
+    top = result["top_rps"]
+    assert isinstance(top, float) and top > 0

@@ -197,6 +197,9 @@ class Settings(BaseSettings):
     of one core per model and round. 0 (the default): never; 300 is a reasonable value."""
     capacity_window_s: float = Field(default=3600.0, gt=0)
     """The span of stored requests the headroom is calibrated on."""
+    capacity_rate_window_s: float = Field(default=60.0, gt=0)
+    """The span the current request rate is read over, for the headroom: short enough to
+    follow a ramp, long enough to average out arrivals."""
     capacity_max_requests: int = Field(default=3000, ge=100)
     """Requests of that span read at most (the latest)."""
     capacity_engine_replicas: int = Field(default=1, ge=1)

@@ -4,7 +4,7 @@ is serving now.
 
 `phasewatch_slo_max_rate_rps{model}` is that highest rate for one engine replica;
 `phasewatch_slo_headroom{model}` is it times `capacity_engine_replicas`, divided by the model's
-rate over the last `diagnosis_window_s` (below 1: today's traffic breaks an SLO). An
+rate over the last `capacity_rate_window_s` (below 1: today's traffic breaks an SLO). An
 autoscaler of the engine scales on the rate over the per-replica maximum
 (deploy/k8s/keda-headroom.yaml).
 
@@ -19,9 +19,13 @@ that stops leading sets its series to NaN, which that ignores.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import math
 import multiprocessing
+import os
+import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime, timedelta
 
@@ -81,6 +85,35 @@ class CapacityMetrics:
             self.remove(model)
 
 
+def follow_parent(parent: int) -> None:
+    """(the worker's initializer) End with `parent`, however it ends: a worker left behind by
+    a killed process would wait for work forever. Linux only (PR_SET_PDEATHSIG); elsewhere the
+    pool's own shutdown ends it."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        return
+    if os.getppid() != parent:  # it ended before the prctl took
+        os._exit(0)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_workers(pool: ProcessPoolExecutor) -> None:
+    """Shut the pool down without waiting for a round in progress (tens of seconds): its
+    worker is terminated, so shutdown stays bounded."""
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+
+
 class CapacityService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
                  metrics: CapacityMetrics) -> None:
@@ -90,8 +123,9 @@ class CapacityService:
 
     async def run(self) -> None:
         """The duty: a round every `capacity_interval_s` until cancelled; the worker process
-        lives as long as the duty runs."""
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        lives as long as the duty runs, and no longer than this process."""
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=follow_parent, initargs=(os.getpid(),))
         try:
             while True:
                 await asyncio.sleep(self.settings.capacity_interval_s)  # data first
@@ -103,14 +137,14 @@ class CapacityService:
                     self.metrics.failures.inc()
         finally:
             self.metrics.withdraw()
-            pool.shutdown(wait=False, cancel_futures=True)
+            _end_workers(pool)
 
     async def evaluate_all(self, pool: ProcessPoolExecutor) -> dict[str, float]:
         """One round; returns model -> headroom for the models that have one."""
         s = self.settings
         now = datetime.now(UTC)
         since = now - timedelta(seconds=s.capacity_window_s)
-        recent = now - timedelta(seconds=s.diagnosis_window_s)
+        recent = now - timedelta(seconds=s.capacity_rate_window_s)
         async with self.sessionmaker() as session:
             models = await active_models(session, since, now, s.max_model_labels)
         out: dict[str, float] = {}
@@ -122,7 +156,7 @@ class CapacityService:
             top = await asyncio.get_running_loop().run_in_executor(
                 pool, compute, rows, s.capacity_max_num_seqs, s.capacity_max_num_batched_tokens,
                 s.slo_ttft_s, s.slo_itl_s, s.capacity_objective)
-            rate = offered / s.diagnosis_window_s
+            rate = offered / s.capacity_rate_window_s
             if top is None or rate <= 0:
                 self.metrics.remove(model)
                 continue
