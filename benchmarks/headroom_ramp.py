@@ -48,6 +48,7 @@ if str(REPO) not in sys.path:  # run as a script: `benchmarks` is a package of t
     sys.path.insert(0, str(REPO))
 
 from benchmarks.diagnosis_scenarios import _start, free_port, start_proxy, wait_http  # noqa: E402
+
 BURN_ALERTS = frozenset({"PhasewatchTTFTBudgetBurn", "PhasewatchITLBudgetBurn"})
 PROMPT_WORDS = (128, 256, 512, 1024)
 OUTPUT_TOKENS = (64, 128, 256)
