@@ -192,14 +192,16 @@ class Settings(BaseSettings):
 
     # Capacity (docs/plan.md).
     capacity_interval_s: float = Field(default=0.0, ge=0)
-    """How often the leader recalibrates each active model and exports its SLO headroom
-    (`phasewatch_slo_headroom`, docs/plan.md), in a worker process of its own: tens of seconds
-    of one core per model and round. 0 (the default): never; 300 is a reasonable value."""
+    """How often the leader reads each active model's request rate and exports its SLO
+    headroom (`phasewatch_slo_headroom`, docs/plan.md) on its latest calibration, and starts
+    the next calibration if the last has finished (in a worker process of its own: tens of
+    seconds of one core per model). 0 (the default): never; 300 is a reasonable value, 30 for
+    an autoscaler."""
     capacity_window_s: float = Field(default=3600.0, gt=0)
     """The span of stored requests the headroom is calibrated on."""
     capacity_rate_window_s: float = Field(default=60.0, gt=0)
-    """The span the current request rate is read over, for the headroom: short enough to
-    follow a ramp, long enough to average out arrivals."""
+    """The span the current request rate is read over, for the headroom (arrivals, those still
+    in flight included): short enough to follow a ramp, long enough to average out arrivals."""
     capacity_max_requests: int = Field(default=3000, ge=100)
     """Requests of that span read at most (the latest)."""
     capacity_engine_replicas: int = Field(default=1, ge=1)

@@ -4,7 +4,8 @@ is serving now.
 
 `phasewatch_slo_max_rate_rps{model}` is that highest rate for one engine replica;
 `phasewatch_slo_headroom{model}` is it times `capacity_engine_replicas`, divided by the model's
-rate over the last `capacity_rate_window_s` (below 1: today's traffic breaks an SLO). An
+arrival rate over the last `capacity_rate_window_s`, requests still in flight included (below
+1: today's traffic breaks an SLO). An
 autoscaler of the engine scales on the rate over the per-replica maximum
 (deploy/k8s/keda-headroom.yaml).
 
@@ -19,6 +20,7 @@ that stops leading sets its series to NaN, which that ignores.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import logging
 import math
@@ -35,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from phasewatch.core.settings import Settings
 from phasewatch.plan.headroom import compute
 from phasewatch.store.diagnoses import active_models
+from phasewatch.store.live_snapshots import read_fresh
 from phasewatch.store.plan_inputs import request_count, timed_requests
 
 log = logging.getLogger(__name__)
@@ -115,11 +118,18 @@ def _end_workers(pool: ProcessPoolExecutor) -> None:
 
 
 class CapacityService:
+    """The duty. Calibrating a model takes tens of seconds of the worker, the rate it is
+    divided by one query: every round reads the rate, and the headroom is the latest highest
+    rate (`_top`) over it, while the next calibration of the model runs in the background
+    (one at a time per model, `_calibrating`). A ramp of traffic shows at the next round."""
+
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], settings: Settings,
                  metrics: CapacityMetrics) -> None:
         self.sessionmaker = sessionmaker
         self.settings = settings
         self.metrics = metrics
+        self._top: dict[str, float | None] = {}  # model -> its latest calibration's answer
+        self._calibrating: dict[str, asyncio.Future[float | None]] = {}
 
     async def run(self) -> None:
         """The duty: a round every `capacity_interval_s` until cancelled; the worker process
@@ -137,6 +147,8 @@ class CapacityService:
                     self.metrics.failures.inc()
         finally:
             self.metrics.withdraw()
+            for pending in self._calibrating.values():
+                pending.cancel()
             _end_workers(pool)
 
     async def evaluate_all(self, pool: ProcessPoolExecutor) -> dict[str, float]:
@@ -147,21 +159,51 @@ class CapacityService:
         recent = now - timedelta(seconds=s.capacity_rate_window_s)
         async with self.sessionmaker() as session:
             models = await active_models(session, since, now, s.max_model_labels)
+            fresh = await read_fresh(
+                session, now - timedelta(seconds=s.diagnosis_live_max_age_s), datetime.now(UTC))
+        # Arrivals still in flight count: under overload the stored (ended) requests show the
+        # engine's throughput, not the rate offered to it.
+        waiting = collections.Counter(item.model for snapshot in fresh for item in snapshot.requests
+                          if item.started_s >= recent.timestamp())
         out: dict[str, float] = {}
         for model in models:
+            await self._calibrate(pool, model, since)
             async with self.sessionmaker() as session:
-                rows = await timed_requests(session, model=model, since=since,
-                                            limit=s.capacity_max_requests)
                 offered = await request_count(session, model=model, since=recent, until=now)
-            top = await asyncio.get_running_loop().run_in_executor(
-                pool, compute, rows, s.capacity_max_num_seqs, s.capacity_max_num_batched_tokens,
-                s.slo_ttft_s, s.slo_itl_s, s.capacity_objective)
-            rate = offered / s.capacity_rate_window_s
+            rate = (offered + waiting[model]) / s.capacity_rate_window_s
+            top = self._top.get(model)
             if top is None or rate <= 0:
                 self.metrics.remove(model)
                 continue
             out[model] = top * s.capacity_engine_replicas / rate
             self.metrics.set(model, top, out[model])
+        for model in set(self._top) - set(models):  # no longer active
+            self._top.pop(model, None)
+            pending = self._calibrating.pop(model, None)
+            if pending is not None:
+                pending.cancel()
         for model in self.metrics.models - set(out):
             self.metrics.remove(model)
         return out
+
+    async def _calibrate(self, pool: ProcessPoolExecutor, model: str, since: datetime) -> None:
+        """Take the model's finished calibration, if any (its fault is raised here, once), and
+        start the next one on what is stored now; none while one runs. The first round of a
+        model waits for its first calibration, so that a headroom comes with it."""
+        pending = self._calibrating.get(model)
+        if pending is not None:
+            if not pending.done():
+                return
+            del self._calibrating[model]
+            self._top[model] = pending.result()
+        s = self.settings
+        async with self.sessionmaker() as session:
+            rows = await timed_requests(session, model=model, since=since,
+                                        limit=s.capacity_max_requests)
+        task = asyncio.get_running_loop().run_in_executor(
+            pool, compute, rows, s.capacity_max_num_seqs, s.capacity_max_num_batched_tokens,
+            s.slo_ttft_s, s.slo_itl_s, s.capacity_objective)
+        if model not in self._top:
+            self._top[model] = await task
+        else:
+            self._calibrating[model] = task
