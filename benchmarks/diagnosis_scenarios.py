@@ -204,6 +204,16 @@ def start_proxy(upstream: str, workdir: Path, name: str,
         workdir / f"{name}-proxy.log", env)
 
 
+def start_sim(workdir: Path, name: str, flags: Sequence[str]
+              ) -> tuple[str, subprocess.Popen[bytes]]:
+    """`phasewatch sim` with `flags` on a free port, its log in `workdir`; returns its URL and
+    process (not yet answering: see `wait_http`)."""
+    port = free_port()
+    return f"http://127.0.0.1:{port}", _start(
+        ["-m", "phasewatch.sim", "--port", str(port), "--log-level", "warning", *flags],
+        workdir / f"{name}-sim.log")
+
+
 @contextmanager
 def stacks(scenarios: Sequence[Staged], proxy_env: dict[str, str] | None = None
            ) -> Iterator[dict[str, Stack]]:
@@ -214,11 +224,8 @@ def stacks(scenarios: Sequence[Staged], proxy_env: dict[str, str] | None = None
     workdir = Path(tempfile.mkdtemp(prefix="pw-diag-"))
 
     def sim(s: Staged) -> tuple[str, subprocess.Popen[bytes]]:
-        port = free_port()
-        return f"http://127.0.0.1:{port}", _start(
-            ["-m", "phasewatch.sim", "--port", str(port), "--time-scale", str(s.time_scale),
-             "--served-model-name", MODEL, "--log-level", "warning", *s.flags],
-            workdir / f"{s.name}-sim.log")
+        return start_sim(workdir, s.name, ("--time-scale", str(s.time_scale),
+                                           "--served-model-name", MODEL, *s.flags))
 
     def proxy(s: Staged, upstream: str) -> tuple[str, subprocess.Popen[bytes]]:
         return start_proxy(upstream, workdir, s.name, proxy_env)

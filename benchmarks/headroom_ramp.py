@@ -47,7 +47,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: `benchmarks` is a package of the checkout
     sys.path.insert(0, str(REPO))
 
-from benchmarks.diagnosis_scenarios import _start, free_port, start_proxy, wait_http  # noqa: E402
+from benchmarks.diagnosis_scenarios import (  # noqa: E402
+    free_port,
+    start_proxy,
+    start_sim,
+    wait_http,
+)
 
 BURN_ALERTS = frozenset({"PhasewatchTTFTBudgetBurn", "PhasewatchITLBudgetBurn"})
 PROMPT_WORDS = (128, 256, 512, 1024)
@@ -217,13 +222,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="headroom-ramp-") as tmp:
         workdir = Path(tmp)
-        sim_port, prometheus_port = free_port(), free_port()
-        sim = _start(["-m", "phasewatch.sim", "--port", str(sim_port), "--gpu", args.gpu,
-                      "--model", args.model, "--max-num-seqs", str(args.max_num_seqs),
-                      "--log-level", "warning"], workdir / "sim.log")
+        prometheus_port = free_port()
+        sim_url, sim = start_sim(workdir, "ramp", ("--gpu", args.gpu, "--model", args.model,
+                                                    "--max-num-seqs", str(args.max_num_seqs)))
         procs = [sim]
         try:
-            sim_url = f"http://127.0.0.1:{sim_port}"
             wait_http(sim_url + "/health", sim)
             state = httpx.get(sim_url + "/sim/state").json()
             budget = state["config"]["max_num_batched_tokens"]
