@@ -15,7 +15,11 @@ No server runs: the simulator's engine is replayed without a clock (phasewatch.p
 
 `--vllm`: the same question on the real vLLM of tests/vllm, through the proxy and
 `phasewatch plan` as an operator runs them: calibrate at 2 users, predict 8 and 16, then run
-them (benchmarks/plan_accuracy_vllm.py; about 7 minutes; tolerance 25%).
+them (benchmarks/plan_accuracy_vllm.py; about 7 minutes; tolerance 25%). Each row also gives
+the calibrated engine's TTFT p95 on the arrivals the proxy stored for that load: the engine
+model's own error, apart from the what-if's closed-loop users. `--keep DIR` keeps the run's
+database and the clients' samples (`python -m benchmarks.plan_accuracy_vllm DIR` scores them
+again, without vLLM).
 
 Run: `.venv/bin/python benchmarks/plan_accuracy.py [--users 8] [--tolerance 0.15] [--json
 out.json]`; `--quick`: one preset; `--vllm`: the real vLLM.
@@ -105,6 +109,8 @@ def main() -> int:
                    help="the real vLLM of tests/vllm: calibrate at 2 users, predict 8 and 16")
     p.add_argument("--seconds", type=float, default=90.0,
                    help="--vllm: seconds per predicted load (calibration: twice that)")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="--vllm: keep the proxy's database and the clients' samples here")
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="one preset, fewer requests")
     args = p.parse_args()
@@ -120,7 +126,7 @@ def main() -> int:
         if repo not in sys.path:  # run as a script: `benchmarks` is a package of the checkout
             sys.path.insert(0, repo)
         from benchmarks.plan_accuracy_vllm import MODEL, accuracy
-        found_by_preset = [("vllm-cpu", MODEL, accuracy(seconds=args.seconds))]
+        found_by_preset = [("vllm-cpu", MODEL, accuracy(seconds=args.seconds, keep=args.keep))]
     else:
         found_by_preset = [(gpu, model, preset(gpu, model, args.users, requests))
                            for gpu, model in presets]
@@ -134,7 +140,10 @@ def main() -> int:
             cells = " ".join(
                 f"{row['error'][f]:+8.0%}{' ' if abs(row['error'][f]) <= args.tolerance else '!'}"
                 for f in FIGURES)
-            print(f"{gpu:8s} {model:13s} {row['case']:31s} {cells}")
+            alone = row.get("engine_alone")  # --vllm: the engine on the stored arrivals
+            extra = (f"   engine alone on the stored arrivals: TTFT p95 {alone['error']:+.0%}"
+                     if alone else "")
+            print(f"{gpu:8s} {model:13s} {row['case']:31s} {cells}{extra}")
     within = sum(abs(row["error"][f]) <= args.tolerance for row in rows for f in FIGURES)
     total = len(rows) * len(FIGURES)
     print(f"within {args.tolerance:.0%}: {within} of {total} ('!' marks the others); "

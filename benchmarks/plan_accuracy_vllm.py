@@ -13,9 +13,16 @@ from the same lengths, for `seconds`; each load's requests carry their own run i
    event with text) p95, and every gap between text events (ITL) p50 and p95, pooled over the
    requests that started after the load's first `warmup` seconds.
 
-The error is predicted / measured - 1. Everything (engine, proxy, clients) shares this
-machine's cores, so the engine's step time at 16 users includes contention the model does not
-know about; the figure is the whole system's, as an operator on such a machine would see it.
+The error is predicted / measured - 1. Each row also separates the two halves of a prediction:
+the calibrated engine alone, given the arrivals the proxy stored for that load (their own times
+and lengths, `replay_observed`), against the TTFT p95 the proxy stored for them; the rest of the
+error is the what-if's closed-loop users (when each sends its next request). `--keep DIR`
+keeps the proxy's database and the clients' samples, so both can be computed again without
+vLLM (`python -m benchmarks.plan_accuracy_vllm DIR`).
+
+Everything (engine, proxy, clients) shares this machine's cores, so the engine's step time at
+16 users includes contention the model does not know about; the figure is the whole system's,
+as an operator on such a machine would see it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import itertools
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -117,9 +125,92 @@ def _stored(proxy: str, at_least: int) -> None:
     raise SystemExit("the proxy did not store every record within 60 s")
 
 
+def engine_alone(database_url: str, runs: dict[int, str],
+                 warmup: float) -> dict[int, tuple[float, float]]:
+    """Per load (users -> run id): (stored TTFT p95, the calibrated engine's TTFT p95 on the
+    same arrivals), in seconds, over the requests after the load's first `warmup` seconds.
+    The calibration is `phasewatch plan`'s, on the run named `calibrate`."""
+    from phasewatch.core.db import create_engine, create_sessionmaker
+    from phasewatch.plan.fit import calibrate
+    from phasewatch.plan.refine import refine
+    from phasewatch.plan.traffic import Request
+    from phasewatch.plan.whatif import Limits, replay_observed
+    from phasewatch.store.plan_inputs import timed_requests
+
+    async def read(run_id: str) -> list[Request]:
+        engine = create_engine(database_url)
+        try:
+            async with create_sessionmaker(engine)() as session:
+                rows = await timed_requests(session, model=MODEL, run_id=run_id)
+        finally:
+            await engine.dispose()
+        return [Request(*row) for row in rows]
+
+    limits = Limits(CAP, BUDGET)
+    seen = asyncio.run(read("calibrate"))
+    calibration = refine(calibrate(seen, CAP), limits, seen)
+    out = {}
+    for users, run_id in runs.items():
+        stored = asyncio.run(read(run_id))
+        replayed = replay_observed(calibration, limits, [
+            (r.started_s, r.prompt_tokens, r.output_tokens) for r in stored])
+        counted = [i for i, r in enumerate(stored)
+                   if r.started_s - stored[0].started_s >= warmup]
+        out[users] = (_rank([stored[i].ttft_s for i in counted], 0.95),
+                      _rank([replayed[i] for i in counted], 0.95))
+    return out
+
+
+def _keep(directory: Path, database: Path, truth: dict[int, Load]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(database, directory / "plan.db")
+    (directory / "truth.json").write_text(json.dumps({
+        str(users): {"ttft_s": load.ttft, "gaps_s": load.gaps, "requests": load.requests,
+                     "seconds": load.seconds, "warmup": load.warmup}
+        for users, load in truth.items()}))
+
+
+def rows_for(database_url: str, truth: dict[int, Load],
+             predicted: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the predicted loads in `truth` (users -> what the clients saw; the
+    calibration's users first) against `phasewatch plan`'s answers for them."""
+    calibrate_users, *predict_users = truth
+    calibration = truth[calibrate_users]
+    alone = engine_alone(database_url, {users: f"users-{users}" for users in predict_users},
+                         calibration.warmup)
+    rows = []
+    for users in predict_users:
+        load = truth[users]
+        got = predicted[users]["predicted"]
+        guess = (got["ttft_p95_s"], got["itl_p50_s"], got["itl_p95_s"])
+        measured = load.figures()
+        stored_p95, replayed_p95 = alone[users]
+        rows.append({
+            "gpu": "vllm-cpu", "model": MODEL,
+            "case": f"{users // calibrate_users}x users ({users} users, cap {CAP})",
+            "users": users, "max_num_seqs": CAP,
+            "measured_requests": len(load.ttft),
+            "measured_ms": dict(zip(FIGURES, (v * 1e3 for v in measured), strict=True)),
+            "predicted_ms": dict(zip(FIGURES, (v * 1e3 for v in guess), strict=True)),
+            "error": dict(zip(FIGURES, (p / t - 1 for p, t in zip(guess, measured, strict=True)),
+                              strict=True)),
+            "engine_alone": {"stored_ttft_p95_ms": stored_p95 * 1e3,
+                             "replayed_ttft_p95_ms": replayed_p95 * 1e3,
+                             "error": replayed_p95 / stored_p95 - 1},
+            "refused": predicted[users]["calibration"]["refused"],
+            "extrapolated": predicted[users].get("extrapolated"),
+            "calibration_requests": calibration.requests,
+            "calibration_measured_ms": dict(zip(
+                FIGURES, (v * 1e3 for v in calibration.figures()), strict=True)),
+        })
+    return rows
+
+
 def accuracy(calibrate_users: int = 2, predict_users: tuple[int, ...] = (8, 16),
-             seconds: float = 90.0, warmup: float = 15.0) -> list[dict[str, Any]]:
-    """Rows as plan_accuracy.py prints them: one per predicted load."""
+             seconds: float = 90.0, warmup: float = 15.0,
+             keep: Path | None = None) -> list[dict[str, Any]]:
+    """Rows as plan_accuracy.py prints them: one per predicted load. `keep`: a directory for
+    the proxy's database (`plan.db`) and the clients' samples (`truth.json`)."""
     from tests.vllm.server import locate, running_vllm  # the benchmark's only use of tests/
 
     env = locate()
@@ -139,33 +230,37 @@ def accuracy(calibrate_users: int = 2, predict_users: tuple[int, ...] = (8, 16),
                 predicted = {users: plan(database_url, "calibrate", users)
                              for users in predict_users}
                 sent = calibration.requests
-                rows = []
+                truth = {calibrate_users: calibration}
                 for users in predict_users:
-                    load = asyncio.run(run_load(proxy, f"users-{users}",
-                                                Load(users, seconds, warmup)))
-                    sent += load.requests
-                    got = predicted[users]["predicted"]
-                    guess = (got["ttft_p95_s"], got["itl_p50_s"], got["itl_p95_s"])
-                    truth = load.figures()
-                    rows.append({
-                        "gpu": "vllm-cpu", "model": MODEL,
-                        "case": f"{users // calibrate_users}x users ({users} users, cap {CAP})",
-                        "users": users, "max_num_seqs": CAP,
-                        "measured_requests": len(load.ttft),
-                        "measured_ms": dict(zip(FIGURES, (v * 1e3 for v in truth),
-                                                strict=True)),
-                        "predicted_ms": dict(zip(FIGURES, (v * 1e3 for v in guess),
-                                                 strict=True)),
-                        "error": dict(zip(FIGURES, (p / t - 1 for p, t in zip(
-                            guess, truth, strict=True)), strict=True)),
-                        "refused": predicted[users]["calibration"]["refused"],
-                        "extrapolated": predicted[users].get("extrapolated"),
-                        "calibration_requests": calibration.requests,
-                        "calibration_measured_ms": dict(zip(
-                            FIGURES, (v * 1e3 for v in calibration.figures()), strict=True)),
-                    })
+                    truth[users] = asyncio.run(run_load(proxy, f"users-{users}",
+                                                        Load(users, seconds, warmup)))
+                    sent += truth[users].requests
                 _stored(proxy, sent)
+                if keep is not None:
+                    _keep(keep, workdir / "plan.db", truth)
+                rows = rows_for(database_url, truth, predicted)
             finally:
                 proc.terminate()
                 proc.wait(timeout=15)
     return rows
+
+
+def kept(directory: Path) -> list[dict[str, Any]]:
+    """The rows again, from a directory `--keep` wrote (no vLLM): `phasewatch plan` on its
+    database, against its clients' samples."""
+    database_url = f"sqlite+aiosqlite:///{directory / 'plan.db'}"
+    truth = {}
+    for users, saved in json.loads((directory / "truth.json").read_text()).items():
+        load = Load(int(users), saved["seconds"], saved["warmup"], saved["ttft_s"],
+                    saved["gaps_s"], saved["requests"])
+        truth[load.users] = load
+    _, *predict_users = truth
+    return rows_for(database_url, truth,
+                    {users: plan(database_url, "calibrate", users) for users in predict_users})
+
+
+if __name__ == "__main__":
+    for row in kept(Path(sys.argv[1])):
+        alone = row["engine_alone"]
+        print(f"{row['case']:28s} " + " ".join(f"{f} {row['error'][f]:+.0%}" for f in FIGURES)
+              + f"  engine alone on the stored arrivals: TTFT p95 {alone['error']:+.0%}")
