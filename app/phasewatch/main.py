@@ -60,7 +60,6 @@ from phasewatch.proxy.arrival import KernelArrivals
 from phasewatch.proxy.asgi import REQUEST_ID, Receive, Scope, Send, header, send_error
 from phasewatch.proxy.client_leg import (
     ARRIVALS,
-    ENDED_HOOK,
     HEAD_TIMEOUT,
     SHUTDOWN_HOOK,
     client_leg,
@@ -262,8 +261,6 @@ def create_app(
             # the signal reached it (app/phasewatch/proxy/client_leg.py).
             state: dict[str, Any] = {SHUTDOWN_HOOK: shutdown.begin, ARRIVALS: arrivals,
                                      HEAD_TIMEOUT: settings.client_head_timeout_s}
-            if app.state.proxy.native is not None:
-                state[ENDED_HOOK] = app.state.proxy.native.take_ended
             yield state
         finally:
             arrivals.close()

@@ -3,8 +3,8 @@
 After the running token chunks the thread also relays what ends a stream, as the Python path
 does: the terminal chunk (held for the usage chunk's fingerprint when that chunk is cut), the
 usage chunk, `[DONE]` and the body's last chunk, with the response's end. The stream then
-comes back once, ended (`Ending.ENDED`, `end_written`), without waking the event loop, which
-takes it on its own next wake-up (`ended()`) or is woken 20 ms later. Here each case's bytes
+comes back once, ended (`Ending.ENDED`, `end_written`), with a wake-up of the event loop
+(`fileno()` readable, `finished()`). Here each case's bytes
 are compared with what `StreamFeed` forwards for the same events, and anything the thread
 must not take plainly comes back to Python at that chunk's first byte.
 (tests/proxy/test_native_relay.py holds whole exchanges through two proxies alike.)
@@ -219,20 +219,17 @@ def test_the_thread_counts_as_the_python_path_times(relay: Any) -> None:
         pair.close()
 
 
-def test_a_clean_end_waits_for_the_event_loops_own_wake_up(relay: Any) -> None:
+def test_a_clean_end_wakes_the_event_loop_at_once(relay: Any) -> None:
+    """Until the event loop takes a stream back, no one reads its client's socket: a request
+    the client sends after the response's end would wait for that, and its TTFT would not show
+    the wait. So every end comes back with a wake-up."""
     pair = Pair(relay, "usage-cut")
     try:
         pair.send(_frame(TOKENS[0]))
         pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
         pair.relayed(END)  # the client has its whole response
-        deadline = time.monotonic() + 10
-        taken: list[Any] = []
-        while not taken and time.monotonic() < deadline:  # published after the thread's batch
-            taken = relay.ended()
-        assert taken == [pair.stream] and pair.stream.ending == Ending.ENDED
-        # Taken before the thread's deadline for it (20 ms): no notification follows.
-        ready, _, _ = select.select([relay.fileno()], [], [], 0.1)
-        assert ready == []
+        assert _comes_back_notified(relay, pair.stream)
+        assert pair.stream.ending == Ending.ENDED and pair.stream.end_written
     finally:
         pair.close()
 
@@ -265,15 +262,6 @@ def test_an_end_the_client_does_not_take_goes_back_at_once_with_the_rest(relay: 
         pair.close()
 
 
-@pytest.fixture
-def patient_relay() -> Iterator[Any]:
-    """A relay whose quiet endings wait a minute for the event loop's own wake-up: within a
-    test, a notification of such an ending is one a waiting request asked for."""
-    relay = _native.Relay(quiet_ms=60_000)
-    yield relay
-    relay.close()
-
-
 def _comes_back_notified(relay: Any, stream: Any) -> bool:
     """The event loop is woken (`fileno()` readable) and `finished()` then has the stream; a
     wake-up may come a moment before the stream is published, and then another follows."""
@@ -287,46 +275,20 @@ def _comes_back_notified(relay: Any, stream: Any) -> bool:
     return False
 
 
-def test_a_quiet_end_waits_for_the_event_loop_until_its_deadline(patient_relay: Any) -> None:
-    """The control for the next test: with no request behind it, no wake-up within the
-    deadline."""
-    pair = Pair(patient_relay, "usage-cut")
-    try:
-        pair.send(_frame(TOKENS[0]))
-        pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
-        pair.relayed(END)
-        ready, _, _ = select.select([patient_relay.fileno()], [], [], 0.5)
-        assert ready == []
-        assert patient_relay.ended() == [pair.stream]
-    finally:
-        pair.close()
-
-
-@pytest.mark.parametrize("behind", ["queued-before-the-handoff", "sent-while-held"])
-def test_an_end_with_a_request_behind_it_wakes_the_event_loop_at_once(
-        patient_relay: Any, behind: str) -> None:
-    """A request behind the response on its connection (pipelined) waits for this stream's end
-    to be taken: such an end comes back with a wake-up, whether the request was queued by the
-    server before the handoff (`urgent`) or the client sent it while the thread held the
-    stream (the thread sees the client's bytes, and leaves them in its socket)."""
-    pair = Pair(patient_relay, "usage-cut")
-    if behind == "queued-before-the-handoff":
-        pair.stream.stop()
-        pair.back()
-        plan = _plan("usage-cut")
-        pair.stream = patient_relay.start(pair.up.fileno(), pair.client.fileno(),
-                                          plan.strip_chunk_usage, plan.strip_final_usage,
-                                          urgent=True)
+def test_a_request_sent_while_the_thread_holds_the_stream_stays_for_the_server(
+        relay: Any) -> None:
+    """A request pipelined behind the response: the thread sees the client's bytes, stops
+    watching for more, and leaves them in its socket for the server to read once the stream is
+    back."""
+    pair = Pair(relay, "usage-cut")
     try:
         pair.send(_frame(TOKENS[0]))
         pair.wait_for(lambda got: len(got) > 0)  # the thread holds the stream
-        if behind == "sent-while-held":
-            pair.remote.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        pair.remote.sendall(b"POST /v1/completions HTTP/1.1\r\n")
         pair.send(_frame(_chunk("", 3, finish="stop")), _frame(_usage(3)), _frame(DONE), END)
         pair.relayed(END)
-        assert _comes_back_notified(patient_relay, pair.stream)
+        assert _comes_back_notified(relay, pair.stream)
         assert pair.stream.ending == Ending.ENDED and pair.stream.end_written
-        if behind == "sent-while-held":  # still in the socket, for the server
-            assert pair.client.recv(100) == b"POST /v1/completions HTTP/1.1\r\n"
+        assert pair.client.recv(100) == b"POST /v1/completions HTTP/1.1\r\n"
     finally:
         pair.close()

@@ -59,10 +59,6 @@ TESTED_UVICORN = ("0.55",)
 CLIENT_LEG = "phasewatch.client_leg"
 # The lifespan state key under which the app offers its shutdown's `begin` (shutdown.py).
 SHUTDOWN_HOOK = "phasewatch.shutdown"
-# The lifespan state key under which the app offers the native leg's `take_ended` (native.py):
-# each read of a client's bytes first takes back the streams that ended quietly, so that a
-# request after a response's end finds that response complete and its record finished.
-ENDED_HOOK = "phasewatch.native_ended"
 # The lifespan state keys of the head timeout (seconds) and of the kernel's arrival stamps.
 HEAD_TIMEOUT = "phasewatch.head_timeout_s"
 ARRIVALS = "phasewatch.arrivals"
@@ -81,8 +77,8 @@ class Lending(Enum):
 class ClientLeg:
     """One request's view of its client connection, beyond ASGI."""
 
-    __slots__ = ("_cycle", "_flow", "arrival_ns", "followed", "lending", "on_disconnect",
-                 "on_pause", "on_resume", "plain_fd")
+    __slots__ = ("_cycle", "_flow", "arrival_ns", "lending", "on_disconnect", "on_pause",
+                 "on_resume", "plain_fd")
 
     def __init__(self, arrival_ns: int, plain_fd: int | None = None) -> None:
         self.arrival_ns = arrival_ns
@@ -95,9 +91,6 @@ class ClientLeg:
         self.on_resume: Callable[[], None] | None = None
         # Set by the relay for the whole exchange: called once if the client disconnects.
         self.on_disconnect: Callable[[], None] | None = None
-        # A request is queued behind this one on its connection (pipelined): it starts when
-        # this response's cycle completes.
-        self.followed = False
 
     def release(self) -> None:
         """The app is done with the request (main.py): let go of the server's cycle and the
@@ -106,10 +99,6 @@ class ClientLeg:
         A socket still lent is reclaimed when the native leg hands its stream back."""
         self._cycle = None
         self.on_pause = self.on_resume = self.on_disconnect = None
-
-    def queued_behind(self) -> None:
-        """The server queued a request behind this one (`PhasewatchHttpProtocol`)."""
-        self.followed = True
 
     # -- the native leg (native.py) -----------------------------------------------------------
 
@@ -303,7 +292,6 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     _plain_fd: int | None = None
     _leg: ClientLeg | None = None
     _refusing = False  # this connection is over the limit: answered 503, being closed
-    _take_ended: Callable[[], None] | None = None
     # A request's head is being read: from its first byte (or the connection's start) to its
     # end, and `_head_timer` ends the connection if that takes longer than the head timeout.
     _in_head = True
@@ -314,7 +302,6 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         fd = self._plain_fd = plain_fd(transport)
-        self._take_ended = self.app_state.get(ENDED_HOOK)
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) >= limit:
             # Out of the count at once (not when the close completes), so that uvicorn's own
@@ -340,8 +327,6 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
         now_ns = perf_counter_ns()
         first_ns, self._first_ns = self._first_ns, None
         self._read_ns = now_ns if first_ns is None or first_ns > now_ns else first_ns
-        if self._take_ended is not None:
-            self._take_ended()
         super().data_received(data)
         if self._in_head:
             if self._head_timer is None:
@@ -387,11 +372,6 @@ class PhasewatchHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._in_head = True
         super().on_message_begin()
-        ahead, cycle = self._leg, self.cycle
-        if ahead is not None and cycle is not None and not cycle.response_complete:
-            # Pipelined: this request waits for the one ahead's cycle to complete (uvicorn
-            # queues it), so that one's end must not wait for the event loop's next wake-up.
-            ahead.queued_behind()
         self._leg = ClientLeg(self._read_ns, self._plain_fd)
         # ASGI types extensions as dict[str, dict]; ours is an object the relay knows.
         self.scope["extensions"] = {CLIENT_LEG: self._leg}  # type: ignore[dict-item]

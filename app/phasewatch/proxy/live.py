@@ -195,10 +195,11 @@ class LiveStreams:
         whose timing has not been for `REPLAY_S` or whose clocks may be past a timeout (`full`:
         every one, its timing too). Return those whose clocks were read: the held streams
         the timeouts may end (`check`)."""
-        if self.native is not None:
-            self.native.take_ended()
-            if full:  # the endings it woke finish their records before the render
-                await asyncio.sleep(0)
+        if full and self.native is not None:
+            # Streams handed back whose wake-up the loop has not served yet: taken now, and
+            # their records finished, before the render.
+            self.native.take_back()
+            await asyncio.sleep(0)
         now_ns = perf_counter_ns()
         every_ns = 0 if full else int(REPLAY_S * NS)
         if full or self.native is None or self.gauges_each_pass:

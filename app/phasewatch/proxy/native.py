@@ -16,10 +16,9 @@ Invariants:
   prompt tokens) it logs are replayed into the stream's `StreamTiming` (`replay`) when it
   comes back, on a pass of the live registry (`due`: at least every `REPLAY_S`, every pass
   until its first token), and before each render of `/metrics` and each live snapshot.
-- A stream whose response's end the thread wrote comes back without waking the event loop
-  (`Ending.ENDED`, quiet): the loop takes it on its next wake-up for anything else (each read
-  of a client's bytes, each pass of the live registry: `take_ended`), or the thread wakes it
-  20 ms later at most; at once when a request waits behind it on its client's connection.
+- Every stream comes back with a wake-up of the event loop, as soon as the thread's batch of
+  events is done: until the loop takes it back, no one reads its client's socket, so a request
+  the client sends after the response's end would wait, unseen by its TTFT.
 - The thread's streams hold no Python object; their owners (the exchanges) are kept here.
 - If the thread fails, every stream it held comes back (`Ending.FAULT`): what it had read goes
   out, then an in-band error and `[DONE]` end the stream (recorded `internal_error`), since the
@@ -66,25 +65,20 @@ class Owner(Protocol):
     def native_returned(self, stream: Stream) -> None: ...
 
 
-# How long a stream that ended quietly waits at most for the event loop's own wake-up, in ms;
-# None: the extension's (20 ms). Tests lengthen it, to tell a wake-up asked for.
-QUIET_MS: int | None = None
-
-
 class NativeRelay:
     """The process's native thread, and the event loop's side of it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  on_failure: Any = None) -> None:
         self._loop = loop
-        self._relay = _native.Relay() if QUIET_MS is None else _native.Relay(quiet_ms=QUIET_MS)
+        self._relay = _native.Relay()
         self._owners: dict[Stream, Owner] = {}
         self._open = True
         self._failed = False
         self._on_failure = on_failure  # called once if the thread fails
         # Faults that would recur per stream: each kind logged once a minute.
         self._start_faults, self._hand_back_faults = LogThrottle(), LogThrottle()
-        loop.add_reader(self._relay.fileno(), self._returned)
+        loop.add_reader(self._relay.fileno(), self.take_back)
 
     @property
     def holding(self) -> int:
@@ -92,17 +86,15 @@ class NativeRelay:
         return len(self._owners)
 
     def start(self, up_fd: int, client_fd: int, strip_usage: bool, hold_terminal: bool,
-              pending: bool, urgent: bool, owner: Owner) -> Stream | None:
+              pending: bool, owner: Owner) -> Stream | None:
         """Hand a stream to the thread from a chunk boundary of its body, given its two sockets'
         descriptors (`plain_fd`): cut running usage (`strip_usage`), hold a terminal chunk
         (`hold_terminal`, as `StreamFeed` does when the closing usage chunk is cut), no token
-        yet (`pending`), a request waiting behind it (`urgent`). None when the thread could not
-        take it: the stream stays in Python."""
+        yet (`pending`). None when the thread could not take it: the stream stays in Python."""
         if not self._open:
             return None
         try:
-            stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal,
-                                               pending, urgent)
+            stream = self._relay.start(up_fd, client_fd, strip_usage, hold_terminal, pending)
         except OSError:
             self._start_faults.exception(
                 log, "the native relay could not take a stream; it stays in Python",
@@ -127,7 +119,8 @@ class NativeRelay:
         """Whether the thread failed: every stream is relayed in Python since."""
         return self._failed
 
-    def _returned(self) -> None:
+    def take_back(self) -> None:
+        """Take back every stream the thread has handed back (its wake-up's callback)."""
         streams = self._relay.finished()
         # (read after `finished`: the thread sets it before it hands its streams back)
         if self._relay.failed and not self._failed:
@@ -138,11 +131,6 @@ class NativeRelay:
             if self._on_failure is not None:
                 self._on_failure()
         self._hand_back(streams)
-
-    def take_ended(self) -> None:
-        """Take back the streams that ended with their response's end written: the thread
-        tells of those on the event loop's next wake-up (this call) or within 20 ms."""
-        self._hand_back(self._relay.ended())
 
     def _hand_back(self, streams: list[Stream]) -> None:
         owners = self._owners

@@ -429,7 +429,7 @@ class Exchange:
         conn.pause_reading()
         leg.lend(self._ctx.pool.poll_set)
         stream = native.start(conn.plain_fd, leg.plain_fd, plan.strip_chunk_usage,
-                              plan.strip_final_usage, pending, leg.followed, self)
+                              plan.strip_final_usage, pending, self)
         if stream is None:
             self._native_refused = True
             leg.reclaim()

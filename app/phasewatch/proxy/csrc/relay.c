@@ -4,8 +4,8 @@
  * unless the client is not taking what was written (`blocked`: then the client's socket is
  * watched for room instead, so back-pressure reaches the engine as through any TCP proxy).
  * The client's socket is always watched for its hang-up, and for its own bytes until some
- * come (`watch_input`): a request pipelined behind this response, which makes the stream's
- * end `urgent`. Each upstream read is taken by `pw_take` (scan.c) and what it produced is sent
+ * come (`watch_input`): a request pipelined behind this response, left in the socket for the
+ * server to read once the stream is back. Each upstream read is taken by `pw_take` (scan.c) and what it produced is sent
  * at once; anything it does not take plainly hands the stream back to Python at that byte.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
@@ -16,7 +16,6 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -42,8 +41,6 @@ struct pw_relay {
     int failed;                  /* (lock) the thread's errno when epoll_wait failed */
     int inject_fault;            /* (lock) tests: fail as epoll_wait would */
     int refs;                    /* (GIL) the Python objects that use this memory */
-    int64_t quiet_since;         /* (thread) the oldest quiet ending not yet woken for (0) */
-    int64_t quiet_ns;
 };
 
 static int64_t now_ns(void) {
@@ -98,12 +95,6 @@ static int watch_upstream(pw_relay *r, pw_stream *s, int on) {
  * descriptors keep the sockets, and with them a registration, alive. */
 static void hand_back(pw_relay *r, pw_stream *s, int ending, int err) {
     s->ending = ending;
-    if (ending == PW_END_BODY && s->watch_input && !s->urgent) {
-        /* A request may have come behind the response's end since the batch's events were
-         * taken, or later in the same batch (then skipped): it must not wait the quiet delay. */
-        struct pollfd p = {.fd = s->client, .events = POLLIN};
-        if (poll(&p, 1, 0) == 1 && (p.revents & POLLIN)) s->urgent = 1;
-    }
     if (err && !s->err) s->err = err;
     if (s->in_set & IN_UP) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->up, NULL);
     if (s->in_set & IN_CLIENT) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->client, NULL);
@@ -119,10 +110,9 @@ static void hand_back(pw_relay *r, pw_stream *s, int ending, int err) {
     r->retired = s;
 }
 
-/* (thread) The batch's hand-backs go to Python, in the order they happened. Python is woken at
- * once unless every one is quiet: ended, its response's end taken by the client's socket, and
- * no request waiting behind it; those wait at most `quiet_ns` for the event loop's own next
- * wake-up (native.py `take_ended`). */
+/* (thread) The batch's hand-backs go to Python, in the order they happened, and the event
+ * loop is woken at once: until it takes a stream back, neither side reads its client's socket,
+ * and a request the client sends after the response's end waits for that. */
 static void publish(pw_relay *r) {
     if (r->retired == NULL) return;
     pw_stream *oldest = NULL;
@@ -132,7 +122,6 @@ static void publish(pw_relay *r) {
         s->next = oldest;
         oldest = s;
     }
-    int urgent = 0;
     pthread_mutex_lock(&r->lock);
     while (oldest != NULL) {
         pw_stream *s = oldest;
@@ -141,28 +130,9 @@ static void publish(pw_relay *r) {
         if (r->done_tail != NULL) r->done_tail->next = s;
         else r->done = s;
         r->done_tail = s;
-        if (!(s->ending == PW_END_BODY && s->end_written && s->out.len == 0 && !s->urgent))
-            urgent = 1;
     }
     pthread_mutex_unlock(&r->lock);
-    if (urgent) {
-        wake(r->notify_fd);
-        r->quiet_since = 0;
-    } else if (r->quiet_since == 0) {
-        r->quiet_since = now_ns();
-    }
-}
-
-static int quiet_timeout_ms(pw_relay *r) {
-    if (r->quiet_since == 0) return -1;
-    int64_t left = r->quiet_since + r->quiet_ns - now_ns();
-    if (left > 0) return (int)((left + 999999) / 1000000);
-    pthread_mutex_lock(&r->lock);
-    int waiting = r->done != NULL;
-    pthread_mutex_unlock(&r->lock);
-    r->quiet_since = 0;
-    if (waiting) wake(r->notify_fd);
-    return -1;
+    wake(r->notify_fd);
 }
 
 /* -- one stream's I/O ------------------------------------------------------------------------ */
@@ -261,7 +231,6 @@ static void client_ready(pw_relay *r, pw_stream *s, uint32_t events) {
          * socket for the server to read after the hand-back. */
         s->watch_input = 0;
         pthread_mutex_lock(&r->lock);
-        s->urgent = 1;
         if (watch_client(r, s) < 0) hand_back(r, s, PW_END_FAULT, errno);
         pthread_mutex_unlock(&r->lock);
         if (s->ending != PW_END_NONE) return;
@@ -308,7 +277,7 @@ static void *run(void *arg) {
     pw_relay *r = arg;
     struct epoll_event evs[MAX_EVENTS];
     for (;;) {
-        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, quiet_timeout_ms(r));
+        int n = epoll_wait(r->epfd, evs, MAX_EVENTS, -1);
         if (n < 0) {
             if (errno == EINTR) continue;
             fail(r, errno);
@@ -349,13 +318,12 @@ static void *run(void *arg) {
 
 /* -- Python's side (called with the GIL, never by the thread) ------------------------------ */
 
-pw_relay *pw_relay_new(int64_t quiet_ns, int *err) {
+pw_relay *pw_relay_new(int *err) {
     pw_relay *r = calloc(1, sizeof *r);
     if (r == NULL) {
         *err = ENOMEM;
         return NULL;
     }
-    r->quiet_ns = quiet_ns;
     r->refs = 1;
     r->epfd = epoll_create1(EPOLL_CLOEXEC);
     r->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

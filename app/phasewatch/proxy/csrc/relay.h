@@ -13,8 +13,7 @@
  *   after it is handed back; fields marked (lock) are read and written under the relay's
  *   mutex, which no one holds across a blocking call.
  * - Python -> thread: `wake_fd` (a stream to stop, or close). Thread -> Python: `notify_fd`,
- *   readable when streams were handed back (at once, but for the quiet endings: a response
- *   whose end was written waits up to `quiet_ns` for the event loop's own next wake-up).
+ *   readable as soon as streams were handed back (after each batch of events).
  * Bounds: at most PW_IN_CAP bytes of unparsed upstream input per stream; the output buffer
  *   holds one read's output (the upstream is not read while the client is not taking it).
  * The thread makes no blocking call but epoll_wait: reads and sends are non-blocking.
@@ -66,13 +65,12 @@ struct pw_stream {
     int64_t done_ns;        /* the read time of [DONE] (0: not yet) */
     int awaiting_first;     /* taken before its first token, and no poll has seen it yet */
     int stop_asked;
-    int urgent;             /* a request waits behind it on its client's connection */
 };
 
 /* A new relay and its thread; NULL with `*err` set (errno) on failure. */
-pw_relay *pw_relay_new(int64_t quiet_ns, int *err);
+pw_relay *pw_relay_new(int *err);
 
-/* Hand a stream to the thread: `s` zeroed but for `scan` and `urgent`; the descriptors are
+/* Hand a stream to the thread: `s` zeroed but for `scan`; the descriptors are
  * duplicated here. 0, or -1 with errno (nothing is held then). */
 int pw_relay_start(pw_relay *r, pw_stream *s, int up_fd, int client_fd);
 

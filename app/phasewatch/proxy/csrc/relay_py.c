@@ -3,7 +3,7 @@
  *
  * Invariants:
  * - A `Stream` holds no Python object, so it cannot be part of a reference cycle. From
- *   `Relay.start` until `finished()`/`ended()` returns it, the relay's lists own a reference
+ *   `Relay.start` until `finished()` returns it, the relay's lists own a reference
  *   to it: the memory the thread works on cannot be freed under it.
  * - `pw_relay` memory is reference counted in C (relay.h) by the `Relay` object and each
  *   started stream (whose `poll` and `clocks` take its lock), so either may outlive the other.
@@ -168,19 +168,13 @@ PyTypeObject StreamType = {
 /* -- Relay ----------------------------------------------------------------------------------- */
 
 static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    /* Relay(quiet_ms=20): how long a quiet ending waits at most for the event loop's own
-     * wake-up (tests lengthen it, to tell a wake-up asked for from this one). */
-    static char *names[] = {"quiet_ms", NULL};
-    long long quiet_ms = 20;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|L", names, &quiet_ms)) return NULL;
-    if (quiet_ms < 0 || quiet_ms > 60000) {
-        PyErr_SetString(PyExc_ValueError, "quiet_ms must be from 0 to 60000");
-        return NULL;
-    }
+    /* Relay(): no arguments. */
+    static char *names[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "", names)) return NULL;
     RelayObject *ro = (RelayObject *)type->tp_alloc(type, 0);
     if (ro == NULL) return NULL;
     int err = 0;
-    ro->relay = pw_relay_new((int64_t)quiet_ms * 1000000, &err);
+    ro->relay = pw_relay_new(&err);
     if (ro->relay == NULL) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -190,10 +184,10 @@ static PyObject *Relay_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)ro;
 }
 
-/* The streams handed back (`drain`: and the notification read), oldest first; without the
+/* The streams handed back, oldest first, and the notification read; without the
  * memory for the list they go back to the relay's list, never lost. */
-static PyObject *take_done(RelayObject *ro, int drain) {
-    pw_stream *first = pw_relay_take_done(ro->relay, drain);
+static PyObject *take_done(RelayObject *ro) {
+    pw_stream *first = pw_relay_take_done(ro->relay, 1);
     Py_ssize_t n = 0;
     for (pw_stream *s = first; s != NULL; s = s->next) n++;
     PyObject *list = PyList_New(n);
@@ -227,16 +221,14 @@ static void Relay_dealloc(RelayObject *ro) {
     Py_TYPE(ro)->tp_free((PyObject *)ro);
 }
 
-/* start(upstream_fd, client_fd, strip, hold, pending=False, urgent=False) -> Stream: the
- * thread takes the stream from a chunk boundary of its body; `pending`: no token yet (only
- * the first token's chunk or the role chunk are taken before it); `urgent`: a request waits
- * behind it on its client's connection. OSError when the thread cannot take it. */
+/* start(upstream_fd, client_fd, strip, hold, pending=False) -> Stream: the thread takes the
+ * stream from a chunk boundary of its body; `pending`: no token yet (only the first token's
+ * chunk or the role chunk are taken before it). OSError when the thread cannot take it. */
 static PyObject *Relay_start(RelayObject *ro, PyObject *args, PyObject *kw) {
-    static char *names[] = {"upstream_fd", "client_fd", "strip", "hold", "pending", "urgent",
-                            NULL};
-    int up, client, strip, hold, pending = 0, urgent = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iipp|pp", names, &up, &client, &strip, &hold,
-                                     &pending, &urgent))
+    static char *names[] = {"upstream_fd", "client_fd", "strip", "hold", "pending", NULL};
+    int up, client, strip, hold, pending = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iipp|p", names, &up, &client, &strip, &hold,
+                                     &pending))
         return NULL;
     StreamObject *so = PyObject_New(StreamObject, &StreamType);
     if (so == NULL) return NULL;
@@ -247,7 +239,6 @@ static PyObject *Relay_start(RelayObject *ro, PyObject *args, PyObject *kw) {
     so->s.scan.hold = hold;
     so->s.scan.pending = pending;
     so->s.scan.last_completion = -1;
-    so->s.urgent = urgent;
     Py_INCREF(so); /* the relay's lists' reference, if the thread takes it */
     if (pw_relay_start(ro->relay, &so->s, up, client) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -261,11 +252,7 @@ static PyObject *Relay_start(RelayObject *ro, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *Relay_finished(RelayObject *ro, PyObject *Py_UNUSED(ignored)) {
-    return take_done(ro, 1);
-}
-
-static PyObject *Relay_ended(RelayObject *ro, PyObject *Py_UNUSED(ignored)) {
-    return take_done(ro, 0);
+    return take_done(ro);
 }
 
 typedef struct {
@@ -321,7 +308,6 @@ static PyObject *Relay_get_failed(RelayObject *ro, void *Py_UNUSED(c)) {
 static PyMethodDef Relay_methods[] = {
     {"start", (PyCFunction)(void (*)(void))Relay_start, METH_VARARGS | METH_KEYWORDS, NULL},
     {"finished", (PyCFunction)Relay_finished, METH_NOARGS, NULL},
-    {"ended", (PyCFunction)Relay_ended, METH_NOARGS, NULL},
     {"due", (PyCFunction)Relay_due, METH_VARARGS, NULL},
     {"fileno", (PyCFunction)Relay_fileno, METH_NOARGS, NULL},
     {"close", (PyCFunction)Relay_close, METH_NOARGS, NULL},
