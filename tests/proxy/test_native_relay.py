@@ -675,8 +675,7 @@ def test_a_request_after_a_native_response_on_its_connection_is_read_at_once(
     response ends. Until the event loop takes the stream back from the native thread, no one
     reads that socket: the request would wait, its wait in the client's latency but not in the
     stored figures (which start when the server reads it). So the time the client sees, from
-    sending a request to its response's end, is the stored end-to-end time and little more.
-    (It was about 20 ms more when the thread handed clean ends back without a wake-up.)"""
+    sending a request to its response's end, is the stored end-to-end time and little more."""
     raw_upstream.script = [_frame(_chunk(None, 0, role=True)), *_tokens(1, 5), *_ending(5)]
     proxy = make_proxy(raw_upstream.url, native_relay=True)
     body = orjson.dumps(ASK)

@@ -242,7 +242,7 @@ def test_an_end_the_client_does_not_take_goes_back_at_once_with_the_rest(relay: 
         terminal = _chunk("x" * 60_000, 3, finish="stop")  # more than the client's buffers hold
         pair.send(_frame(TOKENS[0]))
         pair.send(_frame(terminal), _frame(_usage(3)), _frame(DONE), END)
-        ready, _, _ = select.select([relay.fileno()], [], [], 10)  # notified, not quiet
+        ready, _, _ = select.select([relay.fileno()], [], [], 10)  # notified
         assert ready, "the stream did not come back"
         assert relay.finished() == [pair.stream]
         stream = pair.stream
