@@ -15,7 +15,6 @@ names it (`Prediction.unidentified`).
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -26,6 +25,7 @@ import numpy as np
 from phasewatch.plan.fit import Calibration
 from phasewatch.plan.traffic import Request
 from phasewatch.sim.costmodel import StepCost, StepCoster, Work
+from phasewatch.sim.offline import Clockless
 from phasewatch.sim.scheduler import Scheduler, SchedulerConfig
 
 WARMUP_SHARE = 0.2
@@ -140,23 +140,27 @@ class Replayed:
         return out
 
 
+def _engine(cost: StepCoster, limits: Limits) -> Clockless:
+    return Clockless(Scheduler(SchedulerConfig(
+        limits.max_num_seqs, limits.max_num_batched_tokens, limits.enable_chunked_prefill,
+        limits.num_kv_blocks, limits.block_size), cost))
+
+
 def replay(cost: StepCoster, overhead_s: float, limits: Limits, workload: Workload,
            seed: int = 0) -> Replayed:
     """Drive `workload` through a scheduler with `cost` (the calibrated one, or the
     simulator's own cost model: the engine a benchmark measures predictions against)."""
     rng = np.random.default_rng(seed)
-    scheduler = Scheduler(SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
-                                          limits.enable_chunked_prefill, limits.num_kv_blocks,
-                                          limits.block_size), cost)
+    engine = _engine(cost, limits)
     out = Replayed()
-    queue: list[tuple[float, int]] = []  # (when the engine has it, request number)
     ids = itertools.count()
 
     def send(at: float) -> None:
         number = next(ids)
         out.arrival[number] = at
-        out.lengths[number] = workload.lengths.draw(rng)
-        heapq.heappush(queue, (at + overhead_s, number))
+        out.lengths[number] = prompt, output = workload.lengths.draw(rng)
+        out.tokens[number] = []
+        engine.add(at + overhead_s, str(number), prompt, output)
 
     if workload.rate_rps is not None:
         for at in np.cumsum(rng.exponential(1.0 / workload.rate_rps, workload.requests)):
@@ -165,29 +169,17 @@ def replay(cost: StepCoster, overhead_s: float, limits: Limits, workload: Worklo
         assert workload.concurrency is not None
         for _ in range(workload.concurrency):
             send(0.0)
-    now, done = 0.0, 0
-    while queue or scheduler.has_work():
-        while queue and queue[0][0] <= now:
-            _, number = heapq.heappop(queue)
-            prompt, output = out.lengths[number]
-            scheduler.add(str(number), prompt, output)
-            out.tokens[number] = []
-        if not scheduler.has_work():
-            now = queue[0][0]
-            continue
-        step = scheduler.step()
-        if step is None:
-            raise RuntimeError("the scheduler has work it can never run")
-        now += step.duration_s
+    done = 0
+    for _, end, step in engine.steps():
         out.steps += 1
         out.decoding += step.num_decodes
         for token in step.tokens:
             number = int(token.request_id)
-            out.tokens[number].append(now)
+            out.tokens[number].append(end)
             if token.finished:
                 done += 1
                 if workload.concurrency is not None and next_allowed(done, workload):
-                    send(now)
+                    send(end)
     return out
 
 
@@ -205,27 +197,14 @@ def replay_observed(calibration: Calibration, limits: Limits,
                     requests: Sequence[tuple[float, int, int]]) -> list[float]:
     """The TTFT the calibrated engine gives each of `requests` ((arrival s, prompt tokens,
     output tokens), in arrival order), replayed at their own arrival times."""
-    scheduler = Scheduler(SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
-                                          limits.enable_chunked_prefill, limits.num_kv_blocks,
-                                          limits.block_size), FittedCost(calibration))
+    engine = _engine(FittedCost(calibration), limits)
     start = requests[0][0] if requests else 0.0
-    queued = [(at - start + calibration.overhead_s, i) for i, (at, _, _) in enumerate(requests)]
+    for i, (at, prompt, output) in enumerate(requests):
+        engine.add(at - start + calibration.overhead_s, str(i), prompt, max(2, output))
     first: dict[int, float] = {}
-    now, index = 0.0, 0
-    while index < len(queued) or scheduler.has_work():
-        while index < len(queued) and queued[index][0] <= now:
-            _, i = queued[index]
-            scheduler.add(str(i), requests[i][1], max(2, requests[i][2]))
-            index += 1
-        if not scheduler.has_work():
-            now = queued[index][0]
-            continue
-        step = scheduler.step()
-        if step is None:
-            raise RuntimeError("the scheduler has work it can never run")
-        now += step.duration_s
+    for _, end, step in engine.steps():
         for token in step.tokens:
-            first.setdefault(int(token.request_id), now)
+            first.setdefault(int(token.request_id), end)
     return [first[i] - (at - start) for i, (at, _, _) in enumerate(requests)]
 
 

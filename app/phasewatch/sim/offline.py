@@ -3,17 +3,20 @@
 It follows the engine's timing rules exactly (a request queues `request_overhead_s` after it
 arrives, steps run back to back, an idle engine starts when the next request is queued, tokens
 are due at the end of their step) but computes the times instead of waiting for them. Sweeps
-over prompt length and concurrency take milliseconds this way; tests and docs use it.
+over prompt length and concurrency take milliseconds this way; tests and docs use it, and the
+planner's what-ifs (`phasewatch.plan.whatif`) drive its calibrated engine with `Clockless`.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from phasewatch.sim.config import ResolvedConfig, scheduler_for
+from phasewatch.sim.scheduler import Scheduler, Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,32 +50,58 @@ class Trace:
         return self.token_times[-1] - self.arrival
 
 
+class Clockless:
+    """A scheduler driven without a clock, by the engine's rules: a request joins the
+    scheduler once it is due (its arrival plus the request overhead, which the caller adds),
+    steps run back to back, and an idle engine waits for the next request due. The one
+    discrete-event loop that the simulator's sweeps and the planner's what-ifs share.
+
+    `steps()` yields each step with its start and end; requests added while it runs (a
+    closed-loop user's next request) join once due, in the order they were added among those
+    due at the same time.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._due: list[tuple[float, int, str, int, int]] = []
+        self._order = itertools.count()
+
+    def add(self, due_s: float, request_id: str, prompt_len: int, max_output: int) -> None:
+        heapq.heappush(self._due, (due_s, next(self._order), request_id, prompt_len, max_output))
+
+    def steps(self) -> Iterator[tuple[float, float, Step]]:
+        scheduler, due = self._scheduler, self._due
+        now = 0.0
+        while due or scheduler.has_work():
+            while due and due[0][0] <= now:
+                _, _, request_id, prompt_len, max_output = heapq.heappop(due)
+                scheduler.add(request_id, prompt_len, max_output)
+            if not scheduler.has_work():
+                now = due[0][0]
+                continue
+            step = scheduler.step()
+            if step is None:
+                raise RuntimeError(
+                    "the scheduler has work it can never run (KV cache too small?)")
+            end = now + step.duration_s
+            yield now, end, step
+            now = end
+
+
 def simulate(config: ResolvedConfig, arrivals: Iterable[Arrival]) -> dict[str, Trace]:
-    scheduler = scheduler_for(config)
+    engine = Clockless(scheduler_for(config))
     overhead = config.request_overhead_s
-    pending = sorted(arrivals, key=lambda a: a.at_s)
-    traces = {a.request_id: Trace(a.at_s, a.at_s + overhead) for a in pending}
-    now = 0.0
-    index = 0
-    while index < len(pending) or scheduler.has_work():
-        while index < len(pending) and traces[pending[index].request_id].queued <= now:
-            a = pending[index]
-            scheduler.add(a.request_id, a.prompt_len, a.max_output)
-            index += 1
-        if not scheduler.has_work():
-            now = traces[pending[index].request_id].queued
-            continue
-        step = scheduler.step()
-        if step is None:
-            raise RuntimeError("the scheduler has work it can never run (KV cache too small?)")
-        end = now + step.duration_s
+    traces: dict[str, Trace] = {}
+    for a in sorted(arrivals, key=lambda a: a.at_s):
+        traces[a.request_id] = Trace(a.at_s, a.at_s + overhead)
+        engine.add(a.at_s + overhead, a.request_id, a.prompt_len, a.max_output)
+    for start, end, step in engine.steps():
         for request_id in step.first_scheduled:
-            traces[request_id].scheduled = now
+            traces[request_id].scheduled = start
         for request_id in step.preempted:
             traces[request_id].num_preemptions += 1
         for token in step.tokens:
             traces[token.request_id].token_times.append(end)
-        now = end
     return traces
 
 
