@@ -32,11 +32,12 @@ import itertools
 import json
 import math
 import random
-import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,12 @@ def engine_alone(database_url: str, runs: dict[int, str],
 
 def _keep(directory: Path, database: Path, truth: dict[int, Load]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(database, directory / "plan.db")
+    # SQLite's backup, not a file copy: the proxy's database is in WAL mode, and the records
+    # written since its last checkpoint are in the -wal file beside it, not in the file.
+    kept = directory / "plan.db"
+    kept.unlink(missing_ok=True)
+    with closing(sqlite3.connect(database)) as source, closing(sqlite3.connect(kept)) as copy:
+        source.backup(copy)
     (directory / "truth.json").write_text(json.dumps({
         str(users): {"ttft_s": load.ttft, "gaps_s": load.gaps, "requests": load.requests,
                      "seconds": load.seconds, "warmup": load.warmup}
