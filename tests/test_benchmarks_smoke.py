@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# The benchmarks pace their own loads in real time: alone on the cores (`make test`).
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parent.parent
 
 

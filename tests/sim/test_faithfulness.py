@@ -19,8 +19,12 @@ from dataclasses import dataclass
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.support.servers import free_port, subprocess_server
+
+# Its error bound is wall-clock delivery: alone on the cores (`make test`).
+pytestmark = pytest.mark.serial
 
 STREAMS = 64
 PROMPT_WORDS = 32

@@ -32,6 +32,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.is_relative_to(here):
             item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.serial)  # one vLLM, alone on the machine's cores
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
