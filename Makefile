@@ -35,7 +35,7 @@ typecheck: install
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
 # The suite runs on TEST_WORKERS processes (pytest-xdist, one module to a worker), then the tests
 # marked `serial` (a real vLLM, the benchmarks' smoke runs, timing against the simulator's
-# model) run alone: their figures come from a load that another test beside them would distort.
+# model, the article's experiments through the proxy) run alone: their figures come from a load that another test beside them would distort.
 TEST_WORKERS ?= 2
 
 test: install lint typecheck
