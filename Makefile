@@ -34,8 +34,9 @@ typecheck: install
 # The tests in tests/vllm run against a real vLLM when `make vllm-env` has built it, and are
 # skipped (saying so) when it has not; .ci/run builds it first. See docs/vllm-tests.md.
 # The suite runs on TEST_WORKERS processes (pytest-xdist, one module to a worker), then the tests
-# marked `serial` (a real vLLM, the benchmarks' smoke runs, timing against the simulator's
-# model, the article's experiments through the proxy) run alone: their figures come from a load that another test beside them would distort.
+# marked `serial` run alone (a real vLLM, the benchmarks' smoke runs, timing against the
+# simulator's model, the article's experiments through the proxy): their figures come from a
+# load that another test beside them would distort.
 TEST_WORKERS ?= 2
 
 test: install lint typecheck
