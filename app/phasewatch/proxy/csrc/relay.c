@@ -5,8 +5,9 @@
  * watched for room instead, so back-pressure reaches the engine as through any TCP proxy).
  * The client's socket is always watched for its hang-up, and for its own bytes until some
  * come (`watch_input`): a request pipelined behind this response, left in the socket for the
- * server to read once the stream is back. Each upstream read is taken by `pw_take` (scan.c) and what it produced is sent
- * at once; anything it does not take plainly hands the stream back to Python at that byte.
+ * server to read once the stream is back. Each upstream read is taken by `pw_take` (scan.c)
+ * and what it produced is sent at once; anything it does not take plainly hands the stream
+ * back to Python at that byte.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "relay.h"
