@@ -39,6 +39,7 @@ import tempfile
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -265,8 +266,56 @@ def kept(directory: Path) -> list[dict[str, Any]]:
                     {users: plan(database_url, "calibrate", users) for users in predict_users})
 
 
+def arrival_structure(directory: Path, near_s: float = 0.002) -> dict[str, dict[str, float]]:
+    """How the stored requests of each kept load (run id -> figures) arrived and ended
+    together, after its warm-up: the share that arrived within `near_s` of another, the most
+    that arrived within `near_s` of one, and the flushes (three or more requests that ended
+    within `near_s` of each other, each after the same longest token gap, to `near_s`: a
+    backlog of tokens delivered at once). The clients' share of token gaps under 0.5 ms (two
+    events in one read) is from their samples."""
+    truth = json.loads((directory / "truth.json").read_text())
+    out = {}
+    with closing(sqlite3.connect(directory / "plan.db")) as db:
+        for users, saved in truth.items():
+            run_id = "calibrate" if users == next(iter(truth)) else f"users-{users}"
+            rows = db.execute(
+                "SELECT started_at, e2e_s, itl_max_s FROM requests WHERE run_id = ? "
+                "AND outcome = 'ok' ORDER BY started_at", (run_id,)).fetchall()
+            starts = [_seconds(r[0]) for r in rows]
+            counted = [r for r, at in zip(rows, starts, strict=True)
+                       if at - starts[0] >= saved["warmup"]]
+            arrivals = sorted(_seconds(r[0]) for r in counted)
+            together = [sum(1 for b in arrivals if abs(b - a) <= near_s) for a in arrivals]
+            ends = sorted((_seconds(r[0]) + r[1], r[2] or 0.0) for r in counted)
+            flushes, group = 0, ends[:1]
+            for end, gap in ends[1:]:
+                if end - group[-1][0] <= near_s and abs(gap - group[0][1]) <= near_s:
+                    group.append((end, gap))
+                    continue
+                flushes += len(group) >= 3
+                group = [(end, gap)]
+            flushes += len(group) >= 3
+            gaps = saved["gaps_s"]
+            out[run_id] = {
+                "requests": len(arrivals),
+                "arrived_together": sum(n > 1 for n in together) / max(len(arrivals), 1),
+                "most_together": max(together, default=0),
+                "flushes": flushes,
+                "client_gaps_under_0_5ms": sum(g < 0.0005 for g in gaps) / max(len(gaps), 1)}
+    return out
+
+
+def _seconds(stored: str) -> float:
+    return datetime.fromisoformat(stored.replace("Z", "+00:00")).timestamp()
+
+
 if __name__ == "__main__":
     for row in kept(Path(sys.argv[1])):
         alone = row["engine_alone"]
         print(f"{row['case']:28s} " + " ".join(f"{f} {row['error'][f]:+.0%}" for f in FIGURES)
               + f"  engine alone on the stored arrivals: TTFT p95 {alone['error']:+.0%}")
+    for run_id, got in arrival_structure(Path(sys.argv[1])).items():
+        print(f"{run_id:10s} {got['requests']} requests: {got['arrived_together']:.0%} arrived "
+              f"within 2 ms of another (at most {got['most_together']} at once); "
+              f"{got['flushes']} flushes; client token gaps under 0.5 ms: "
+              f"{got['client_gaps_under_0_5ms']:.1%}")
