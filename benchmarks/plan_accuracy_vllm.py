@@ -18,7 +18,13 @@ the calibrated engine alone, given the arrivals the proxy stored for that load (
 and lengths, `replay_observed`), against the TTFT p95 the proxy stored for them; the rest of the
 error is the what-if's closed-loop users (when each sends its next request). `--keep DIR`
 keeps the proxy's database and the clients' samples, so both can be computed again without
-vLLM (`python -m benchmarks.plan_accuracy_vllm DIR`).
+vLLM (`python -m benchmarks.plan_accuracy_vllm DIR`), with how each load's requests arrived
+and ended together (`arrival_structure`).
+
+`python -m benchmarks.plan_accuracy_vllm --flushes` runs 8 users straight to the vLLM and
+through the proxy, in turns, twice, and counts on the clients' side the flushes (`flushes`:
+several streams ending at once after one hold-up), to tell the engine's hold-ups from the
+proxy's.
 
 Everything (engine, proxy, clients) shares this machine's cores, so the engine's step time at
 16 users includes contention the model does not know about; the figure is the whole system's,
@@ -64,6 +70,9 @@ class Load:
     ttft: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     requests: int = 0  # every request sent, measured or not
+    # Each measured request's last text event and longest gap between two, as its client saw
+    # them (time.monotonic() seconds).
+    ends: list[tuple[float, float]] = field(default_factory=list)
 
     def figures(self) -> tuple[float, float, float]:
         return (_rank(self.ttft, 0.95), _rank(self.gaps, 0.5), _rank(self.gaps, 0.95))
@@ -92,7 +101,9 @@ async def _user(session: aiohttp.ClientSession, url: str, run_id: str, load: Loa
         load.requests += 1
         if sent - started >= load.warmup and stamps:
             load.ttft.append(stamps[0] - sent)
-            load.gaps.extend(b - a for a, b in itertools.pairwise(stamps))
+            gaps = [b - a for a, b in itertools.pairwise(stamps)]
+            load.gaps.extend(gaps)
+            load.ends.append((stamps[-1], max(gaps, default=0.0)))
 
 
 async def run_load(url: str, run_id: str, load: Load) -> Load:
@@ -173,7 +184,7 @@ def _keep(directory: Path, database: Path, truth: dict[int, Load]) -> None:
         source.backup(copy)
     (directory / "truth.json").write_text(json.dumps({
         str(users): {"ttft_s": load.ttft, "gaps_s": load.gaps, "requests": load.requests,
-                     "seconds": load.seconds, "warmup": load.warmup}
+                     "seconds": load.seconds, "warmup": load.warmup, "ends": load.ends}
         for users, load in truth.items()}))
 
 
@@ -286,22 +297,62 @@ def arrival_structure(directory: Path, near_s: float = 0.002) -> dict[str, dict[
                        if at - starts[0] >= saved["warmup"]]
             arrivals = sorted(_seconds(r[0]) for r in counted)
             together = [sum(1 for b in arrivals if abs(b - a) <= near_s) for a in arrivals]
-            ends = sorted((_seconds(r[0]) + r[1], r[2] or 0.0) for r in counted)
-            flushes, group = 0, ends[:1]
-            for end, gap in ends[1:]:
-                if end - group[-1][0] <= near_s and abs(gap - group[0][1]) <= near_s:
-                    group.append((end, gap))
-                    continue
-                flushes += len(group) >= 3
-                group = [(end, gap)]
-            flushes += len(group) >= 3
             gaps = saved["gaps_s"]
             out[run_id] = {
                 "requests": len(arrivals),
                 "arrived_together": sum(n > 1 for n in together) / max(len(arrivals), 1),
                 "most_together": max(together, default=0),
-                "flushes": flushes,
+                "flushes": len(flushes([(_seconds(r[0]) + r[1], r[2] or 0.0) for r in counted],
+                                       near_s)),
                 "client_gaps_under_0_5ms": sum(g < 0.0005 for g in gaps) / max(len(gaps), 1)}
+            if "ends" in saved:  # (kept runs before the clients recorded them have none)
+                out[run_id]["client_flushes"] = len(flushes(saved["ends"], near_s))
+    return out
+
+
+def flushes(ends: list[tuple[float, float]], near_s: float = 0.002) -> list[tuple[int, float]]:
+    """(requests, longest gap) of each flush among `ends` ((end, longest gap) per request):
+    three or more requests that ended within `near_s` of each other, each after the same
+    longest gap, to `near_s`. Streams of different lengths end together so only when their
+    last tokens were delivered at once, after a hold-up they all waited through."""
+    found: list[tuple[int, float]] = []
+    group: list[tuple[float, float]] = []
+    for end, gap in [*sorted(ends), (math.inf, math.inf)]:
+        if group and end - group[-1][0] <= near_s and abs(gap - group[0][1]) <= near_s:
+            group.append((end, gap))
+            continue
+        if len(group) >= 3:
+            found.append((len(group), group[0][1]))
+        group = [(end, gap)]
+    return found
+
+
+def direct_and_through(users: int = 8, seconds: float = 75.0, rounds: int = 2,
+                       warmup: float = 15.0) -> list[tuple[str, Load]]:
+    """The same closed-loop load straight to the vLLM and through `phasewatch serve`, in
+    turns, in one vLLM session: whether the hold-ups that flush several streams at once are
+    the engine's or the proxy's."""
+    from tests.vllm.server import locate, running_vllm
+
+    env = locate()
+    if not env.ready:
+        raise SystemExit("the vLLM test environment is not built: run `make vllm-env`")
+    out = []
+    with tempfile.TemporaryDirectory(prefix="plan-vllm-") as tmp:
+        workdir = Path(tmp)
+        flags = ("--max-num-seqs", str(CAP), "--max-num-batched-tokens", str(BUDGET))
+        with running_vllm(env, workdir, served_model_name=MODEL, engine_args=flags) as vllm:
+            proxy, proc = start_proxy(vllm.url, workdir, "flushes")
+            try:
+                wait_http(proxy + "/api/health", proc)
+                for turn in range(rounds):
+                    for path, url in (("direct", vllm.url), ("phasewatch", proxy)):
+                        load = asyncio.run(run_load(url, f"{path}-{turn}",
+                                                    Load(users, seconds, warmup)))
+                        out.append((path, load))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=15)
     return out
 
 
@@ -309,7 +360,14 @@ def _seconds(stored: str) -> float:
     return datetime.fromisoformat(stored.replace("Z", "+00:00")).timestamp()
 
 
-if __name__ == "__main__":
+def _main() -> None:
+    if sys.argv[1:2] == ["--flushes"]:
+        for path, load in direct_and_through():
+            found = flushes(load.ends)
+            print(f"{path:10s} {load.users} users: {len(load.ttft)} requests, TTFT p95 "
+                  f"{load.figures()[0] * 1e3:.0f} ms, {len(found)} flushes "
+                  f"(requests, longest gap ms): {[(n, round(g * 1e3)) for n, g in found]}")
+        return
     for row in kept(Path(sys.argv[1])):
         alone = row["engine_alone"]
         print(f"{row['case']:28s} " + " ".join(f"{f} {row['error'][f]:+.0%}" for f in FIGURES)
@@ -317,5 +375,9 @@ if __name__ == "__main__":
     for run_id, got in arrival_structure(Path(sys.argv[1])).items():
         print(f"{run_id:10s} {got['requests']} requests: {got['arrived_together']:.0%} arrived "
               f"within 2 ms of another (at most {got['most_together']} at once); "
-              f"{got['flushes']} flushes; client token gaps under 0.5 ms: "
-              f"{got['client_gaps_under_0_5ms']:.1%}")
+              f"{got['flushes']} flushes (the clients: {got.get('client_flushes', '-')}); "
+              f"client token gaps under 0.5 ms: {got['client_gaps_under_0_5ms']:.1%}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -9,7 +9,7 @@ import sqlite3
 from contextlib import closing
 from pathlib import Path
 
-from benchmarks.plan_accuracy_vllm import arrival_structure
+from benchmarks.plan_accuracy_vllm import arrival_structure, flushes
 
 
 def _kept(directory: Path, rows: list[tuple[str, str, float, float]]) -> Path:
@@ -23,7 +23,8 @@ def _kept(directory: Path, rows: list[tuple[str, str, float, float]]) -> Path:
     (directory / "truth.json").write_text(json.dumps({
         "2": {"ttft_s": [], "gaps_s": [0.0001, 0.005, 0.006, 0.007], "requests": 3,
               "seconds": 10, "warmup": 0.5},
-        "8": {"ttft_s": [], "gaps_s": [0.01], "requests": 5, "seconds": 10, "warmup": 0.0}}))
+        "8": {"ttft_s": [], "gaps_s": [0.01], "requests": 5, "seconds": 10, "warmup": 0.0,
+              "ends": [[7.0, 0.2], [7.001, 0.2005], [7.0015, 0.2], [9.0, 0.1]]}}))
     return directory
 
 
@@ -53,3 +54,14 @@ def test_arrivals_together_and_flushes_are_counted_after_the_warm_up(tmp_path: P
     assert got["users-8"]["arrived_together"] == 0
     assert got["users-8"]["most_together"] == 1
     assert got["users-8"]["flushes"] == 1
+    assert got["users-8"]["client_flushes"] == 1  # the clients' own (end, longest gap)
+    assert "client_flushes" not in got["calibrate"]  # kept before clients recorded them
+
+
+def test_a_flush_needs_three_ends_together_after_the_same_gap() -> None:
+    assert flushes([(1.0, 0.3), (1.001, 0.3), (1.002, 0.301), (1.0035, 0.3)]) == [(4, 0.3)]
+    assert flushes([(1.0, 0.3), (1.001, 0.3)]) == []  # two are not a flush
+    assert flushes([(1.0, 0.3), (1.001, 0.1), (1.002, 0.3)]) == []  # not the same gap
+    assert flushes([(1.0, 0.3), (1.001, 0.3), (1.01, 0.3)]) == []  # not together
+    assert flushes([(5.0, 0.2), (5.0, 0.2), (5.0, 0.2), (1.0, 0.3), (1.0, 0.3),
+                    (1.0, 0.3)]) == [(3, 0.3), (3, 0.2)]  # in time order
