@@ -361,7 +361,9 @@ def _seconds(stored: str) -> float:
 
 
 def _main() -> None:
-    if sys.argv[1:2] == ["--flushes"]:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m benchmarks.plan_accuracy_vllm (KEPT_DIR | --flushes)")
+    if sys.argv[1] == "--flushes":
         for path, load in direct_and_through():
             found = flushes(load.ends)
             print(f"{path:10s} {load.users} users: {len(load.ttft)} requests, TTFT p95 "
