@@ -43,7 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -224,11 +225,10 @@ def rows_for(database_url: str, truth: dict[int, Load],
     return rows
 
 
-def accuracy(calibrate_users: int = 2, predict_users: tuple[int, ...] = (8, 16),
-             seconds: float = 90.0, warmup: float = 15.0,
-             keep: Path | None = None) -> list[dict[str, Any]]:
-    """Rows as plan_accuracy.py prints them: one per predicted load. `keep`: a directory for
-    the proxy's database (`plan.db`) and the clients' samples (`truth.json`)."""
+@contextmanager
+def _stack(name: str) -> Iterator[tuple[str, str, Path]]:
+    """tests/vllm's vLLM with this benchmark's engine flags, and `phasewatch serve` in front
+    of it on its own SQLite file: (vLLM's URL, the proxy's URL, their working directory)."""
     from tests.vllm.server import locate, running_vllm  # the benchmark's only use of tests/
 
     env = locate()
@@ -238,28 +238,36 @@ def accuracy(calibrate_users: int = 2, predict_users: tuple[int, ...] = (8, 16),
         workdir = Path(tmp)
         flags = ("--max-num-seqs", str(CAP), "--max-num-batched-tokens", str(BUDGET))
         with running_vllm(env, workdir, served_model_name=MODEL, engine_args=flags) as vllm:
-            proxy, proc = start_proxy(vllm.url, workdir, "plan")
+            proxy, proc = start_proxy(vllm.url, workdir, name)
             try:
                 wait_http(proxy + "/api/health", proc)
-                database_url = f"sqlite+aiosqlite:///{workdir}/plan.db"
-                calibration = asyncio.run(run_load(
-                    proxy, "calibrate", Load(calibrate_users, 2 * seconds, warmup)))
-                _stored(proxy, calibration.requests)
-                predicted = {users: plan(database_url, "calibrate", users)
-                             for users in predict_users}
-                sent = calibration.requests
-                truth = {calibrate_users: calibration}
-                for users in predict_users:
-                    truth[users] = asyncio.run(run_load(proxy, f"users-{users}",
-                                                        Load(users, seconds, warmup)))
-                    sent += truth[users].requests
-                _stored(proxy, sent)
-                if keep is not None:
-                    _keep(keep, workdir / "plan.db", truth)
-                rows = rows_for(database_url, truth, predicted)
+                yield vllm.url, proxy, workdir
             finally:
                 proc.terminate()
                 proc.wait(timeout=15)
+
+
+def accuracy(calibrate_users: int = 2, predict_users: tuple[int, ...] = (8, 16),
+             seconds: float = 90.0, warmup: float = 15.0,
+             keep: Path | None = None) -> list[dict[str, Any]]:
+    """Rows as plan_accuracy.py prints them: one per predicted load. `keep`: a directory for
+    the proxy's database (`plan.db`) and the clients' samples (`truth.json`)."""
+    with _stack("plan") as (_, proxy, workdir):
+        database_url = f"sqlite+aiosqlite:///{workdir}/plan.db"
+        calibration = asyncio.run(run_load(
+            proxy, "calibrate", Load(calibrate_users, 2 * seconds, warmup)))
+        _stored(proxy, calibration.requests)
+        predicted = {users: plan(database_url, "calibrate", users) for users in predict_users}
+        sent = calibration.requests
+        truth = {calibrate_users: calibration}
+        for users in predict_users:
+            truth[users] = asyncio.run(run_load(proxy, f"users-{users}",
+                                                Load(users, seconds, warmup)))
+            sent += truth[users].requests
+        _stored(proxy, sent)
+        if keep is not None:
+            _keep(keep, workdir / "plan.db", truth)
+        rows = rows_for(database_url, truth, predicted)
     return rows
 
 
@@ -332,27 +340,12 @@ def direct_and_through(users: int = 8, seconds: float = 75.0, rounds: int = 2,
     """The same closed-loop load straight to the vLLM and through `phasewatch serve`, in
     turns, in one vLLM session: whether the hold-ups that flush several streams at once are
     the engine's or the proxy's."""
-    from tests.vllm.server import locate, running_vllm
-
-    env = locate()
-    if not env.ready:
-        raise SystemExit("the vLLM test environment is not built: run `make vllm-env`")
     out = []
-    with tempfile.TemporaryDirectory(prefix="plan-vllm-") as tmp:
-        workdir = Path(tmp)
-        flags = ("--max-num-seqs", str(CAP), "--max-num-batched-tokens", str(BUDGET))
-        with running_vllm(env, workdir, served_model_name=MODEL, engine_args=flags) as vllm:
-            proxy, proc = start_proxy(vllm.url, workdir, "flushes")
-            try:
-                wait_http(proxy + "/api/health", proc)
-                for turn in range(rounds):
-                    for path, url in (("direct", vllm.url), ("phasewatch", proxy)):
-                        load = asyncio.run(run_load(url, f"{path}-{turn}",
-                                                    Load(users, seconds, warmup)))
-                        out.append((path, load))
-            finally:
-                proc.terminate()
-                proc.wait(timeout=15)
+    with _stack("flushes") as (vllm, proxy, _):
+        for turn in range(rounds):
+            for path, url in (("direct", vllm), ("phasewatch", proxy)):
+                out.append((path, asyncio.run(run_load(url, f"{path}-{turn}",
+                                                       Load(users, seconds, warmup)))))
     return out
 
 
